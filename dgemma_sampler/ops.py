@@ -1,0 +1,192 @@
+"""Public kernel-level operations: validation, backend choice, and the 3-D request layout.
+
+``row_stats`` and ``soft_embedding`` take logits as ``[num_requests, W, V]`` and map them
+onto the flat-row functions shared by the backends (``reference.py`` for ``"torch"``,
+``dgemma_sampler.kernels`` for ``"triton"``). ``backend="auto"`` picks Triton for CUDA
+tensors and the PyTorch oracle elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import reference
+from .reference import RowStats
+
+BACKENDS = ("auto", "triton", "torch")
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            "backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 to run the kernels "
+            f"through the interpreter on the CPU; got tensors on {device}"
+        )
+    return backend
+
+
+def check_tensor(name: str, t, *, dim: int | None = None, dtypes=None, device=None,
+                 shape: tuple | None = None) -> None:
+    """Raise a TypeError/ValueError naming ``name`` when ``t`` is not what is expected."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dim is not None and t.dim() != dim:
+        raise ValueError(f"{name} must be {dim}-D, got shape {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} must have dtype in ({names}), got {t.dtype}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} must be on {device} (where the logits are), got {t.device}")
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def _check_logits(logits: torch.Tensor) -> None:
+    check_tensor("logits", logits, dim=3, dtypes=FLOAT_DTYPES)
+    if logits.shape[2] == 0:
+        raise ValueError("logits must have a non-empty vocabulary dimension")
+    if logits.numel() and logits.stride(2) != 1:
+        raise ValueError("logits must be contiguous in the vocabulary dimension (stride(2) == 1)")
+
+
+def _check_request_params(logits, temperature, seeds, draws, top_k, top_p, allowed) -> None:
+    r, _, vocab = logits.shape
+    dev = logits.device
+    check_tensor("temperature", temperature, dim=1, dtypes=FLOAT_DTYPES, device=dev, shape=(r,))
+    check_tensor("seeds", seeds, dim=1, dtypes=(torch.int64,), device=dev, shape=(r,))
+    check_tensor("draws", draws, dim=1, dtypes=(torch.int64,), device=dev, shape=(r,))
+    if r and not bool(torch.isfinite(temperature).all() and (temperature >= 0).all()):
+        raise ValueError("temperature must be finite and >= 0 (0 = greedy)")
+    if top_k is not None:
+        check_tensor("top_k", top_k, dim=1, dtypes=(torch.int32, torch.int64), device=dev, shape=(r,))
+        if r and bool((top_k < 0).any()):
+            raise ValueError("top_k must be >= 0 (0 or >= vocab size disables it)")
+    if top_p is not None:
+        check_tensor("top_p", top_p, dim=1, dtypes=FLOAT_DTYPES, device=dev, shape=(r,))
+        if r and not bool(((top_p > 0) & (top_p <= 1)).all()):
+            raise ValueError("top_p must be in (0, 1] (1 disables it)")
+    if allowed is not None:
+        check_tensor("allowed", allowed, dim=2, dtypes=(torch.bool,), device=dev, shape=(r, vocab))
+
+
+def _flat_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    r, w, vocab = logits.shape
+    dev = logits.device
+    if logits.stride(0) == w * logits.stride(1):
+        flat = logits.as_strided((r * w, vocab), (logits.stride(1), 1))
+    else:
+        flat = logits.reshape(r * w, vocab)
+    request = torch.arange(r, device=dev, dtype=torch.int32).repeat_interleave(w)
+    position = torch.arange(w, device=dev, dtype=torch.int32).repeat(r)
+    return flat, request, position
+
+
+def row_stats(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor,
+    draws: torch.Tensor,
+    softcap: float | None = None,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    allowed: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> RowStats:
+    """Per-position statistics of ``[num_requests, W, V]`` logits in one pass per row.
+
+    Parameters
+    ----------
+    logits : ``[R, W, V]`` fp32 / bf16 / fp16, contiguous in V (rows may be strided).
+    temperature : ``[R]`` float, >= 0; 0 is greedy (sample = argmax).
+    seeds, draws : ``[R]`` int64: request seed and that request's draw counter; the noise
+        of position i, token v is a pure function of (seed, draw, i, v).
+    softcap : optional final-logit softcap ``c * tanh(x / c)`` applied in fp32.
+    top_k : optional ``[R]`` int (0 or >= V: off). top_p : optional ``[R]`` float in (0, 1].
+    allowed : optional ``[R, V]`` bool, the tokens each request may take.
+
+    Returns a ``RowStats`` of ``[R, W]`` tensors: argmax / sample int64, entropy / lse /
+    threshold fp32, has_nan bool. See ``reference.py`` for the exact semantics.
+    """
+    _check_logits(logits)
+    _check_request_params(logits, temperature, seeds, draws, top_k, top_p, allowed)
+    if softcap is not None and not (softcap > 0 and softcap != float("inf")):
+        raise ValueError(f"softcap must be None or a finite float > 0, got {softcap!r}")
+    r, w, vocab = logits.shape
+    flat, request, position = _flat_rows(logits)
+    kwargs = dict(softcap=softcap, top_k=top_k, top_p=top_p, allowed=allowed)
+    if resolve_backend(backend, logits.device) == "triton":
+        from .kernels.row_stats import row_stats_rows as run
+    else:
+        run = reference.row_stats_rows
+    return run(flat, request, position, temperature, seeds, draws, **kwargs).view(r, w)
+
+
+def soft_embedding(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    lse: torch.Tensor,
+    embed_weight: torch.Tensor,
+    normalizer: torch.Tensor | float,
+    keep: torch.Tensor | None = None,
+    vocab_start: int = 0,
+    softcap: float | None = None,
+    threshold: torch.Tensor | None = None,
+    allowed: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """``normalizer * softmax(z) @ E`` per position, probabilities never stored.
+
+    ``logits`` ``[R, W, V]``; ``lse`` ``[R, W]`` from ``row_stats`` (same temperature and
+    masks); ``embed_weight`` ``[V_local, H]`` bf16/fp16/fp32 multiplies logits columns
+    ``[vocab_start, vocab_start + V_local)`` (a tensor-parallel slice: the caller
+    all-reduces); ``threshold`` ``[R, W]`` is ``row_stats(...).threshold`` when top-k /
+    top-p were used. Rows with ``keep`` False come out zero. Returns ``[R, W, H]`` fp32,
+    written into ``out`` when given.
+    """
+    _check_logits(logits)
+    r, w, vocab = logits.shape
+    dev = logits.device
+    check_tensor("temperature", temperature, dim=1, dtypes=FLOAT_DTYPES, device=dev, shape=(r,))
+    check_tensor("lse", lse, dtypes=(torch.float32,), device=dev, shape=(r, w))
+    check_tensor("embed_weight", embed_weight, dim=2, dtypes=FLOAT_DTYPES, device=dev)
+    if not embed_weight.is_contiguous():
+        raise ValueError("embed_weight must be contiguous")
+    v_local, hidden = embed_weight.shape
+    if not (0 <= vocab_start and vocab_start + v_local <= vocab):
+        raise ValueError(
+            f"embed_weight rows [vocab_start={vocab_start}, +{v_local}) must lie inside the "
+            f"logits vocabulary of {vocab}"
+        )
+    if keep is not None:
+        check_tensor("keep", keep, dtypes=(torch.bool,), device=dev, shape=(r, w))
+    if threshold is not None:
+        check_tensor("threshold", threshold, dtypes=(torch.float32,), device=dev, shape=(r, w))
+    if allowed is not None:
+        check_tensor("allowed", allowed, dim=2, dtypes=(torch.bool,), device=dev, shape=(r, vocab))
+    if isinstance(normalizer, torch.Tensor) and normalizer.numel() != 1:
+        raise ValueError(f"normalizer must be a scalar, got shape {tuple(normalizer.shape)}")
+    if out is not None:
+        check_tensor("out", out, dtypes=(torch.float32,), device=dev, shape=(r, w, hidden))
+        if out.stride(2) != 1 or out.stride(0) != w * out.stride(1):
+            raise ValueError("out must be contiguous in its last dimension with rows of one stride")
+    flat, request, _ = _flat_rows(logits)
+    out_flat = None if out is None else out.view(r * w, hidden)
+    kwargs = dict(
+        keep=None if keep is None else keep.reshape(-1),
+        threshold=None if threshold is None else threshold.reshape(-1),
+        allowed=allowed, vocab_start=vocab_start, softcap=softcap, out=out_flat,
+    )
+    if resolve_backend(backend, dev) == "triton":
+        from .kernels.soft_embedding import soft_embedding_rows as run
+    else:
+        run = reference.soft_embedding_rows
+    res = run(flat, request, temperature, lse.reshape(-1), embed_weight, normalizer, **kwargs)
+    return res.view(r, w, hidden)

@@ -1,0 +1,299 @@
+"""PyTorch reference oracle: the exact math of the fused kernels, tiled over rows.
+
+Everything here works on *flat rows*: ``logits`` is ``[N, V]`` (any float dtype, last dim
+contiguous, any row stride) and each row ``n`` belongs to request ``row_request[n]`` at
+canvas position ``row_position[n]``. Per-request parameters are indexed by request. The
+public 3-D API in ``ops.py`` and the ragged rows of a decode step both map onto this.
+
+Semantics of one row (``x`` the logits row), shared by every backend:
+
+1. ``x = float32(x)``; with a softcap ``c``: ``x = c * tanh(x / c)``.
+2. Masked entries: NaN, ``-inf``, tokens outside the request's allowed set, and tokens
+   removed by top-k / top-p. A masked entry has probability exactly 0, contributes
+   exactly 0 to the entropy and is never the argmax or the sample. Rows holding a NaN
+   are flagged in ``has_nan`` (vLLM's ``num_nans``); the NaN never reaches other entries.
+3. top-k keeps ``x >= t_k`` where ``t_k`` is the k-th largest unmasked value (ties at
+   ``t_k`` are kept); then top-p keeps ``x >= t_p`` where ``t_p`` is the smallest value
+   whose strictly-greater mass, under softmax(x) at temperature 1 over what top-k kept,
+   is ``< p`` (ties kept together). Both act on temperature-1 logits, as in vLLM's
+   DiffusionGemma sampler, which filters before it divides by the temperature. The
+   resulting per-row ``threshold`` (``-inf`` when neither is active) is returned so the
+   self-conditioning GEMM applies the same mask without redoing the search.
+4. ``z = min(x * inv_temperature, FLT_MAX)`` where ``inv_temperature = 1 / max(T, 1e-10)``
+   is computed once per request in fp32. ``+inf`` logits therefore become the largest
+   finite value: they tie at the top and share the probability.
+5. ``argmax`` = lowest index of the largest unmasked ``z``; ``sample`` = lowest index of
+   the largest unmasked ``z + G`` with ``G`` the keyed Gumbel noise of
+   (seed, draw, position, GUMBEL stream, token id), or the argmax when ``T == 0``.
+6. ``m = max z``, ``Z = sum exp(z - m)``, ``A = sum (z - m) exp(z - m)`` over unmasked
+   entries; ``lse = m + log Z``; ``entropy = log Z - A / Z``.
+7. A row with no unmasked entry: argmax = sample = 0, entropy = 0, lse = -inf.
+
+``vocab_offset`` shifts the token id used for the noise and for the returned indices, so
+a tensor-parallel rank holding the slice ``[vocab_offset, vocab_offset + V)`` draws the
+same noise for a token as a single GPU holding the whole vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from . import keyed_noise
+from .keyed_noise import Stream
+
+FLT_MAX = torch.finfo(torch.float32).max
+GREEDY_CLAMP = 1e-10
+
+
+@dataclass
+class RowStats:
+    """Per-row statistics. All tensors share the leading shape of the logits rows."""
+
+    argmax: torch.Tensor  # int64
+    sample: torch.Tensor  # int64
+    entropy: torch.Tensor  # float32
+    lse: torch.Tensor  # float32, logsumexp of z (temperature-scaled, masked)
+    threshold: torch.Tensor  # float32, keep x >= threshold (-inf: no top-k/top-p)
+    has_nan: torch.Tensor  # bool
+
+    def view(self, *shape: int) -> "RowStats":
+        return RowStats(*(t.view(*shape) for t in self.as_tuple()))
+
+    def as_tuple(self) -> tuple[torch.Tensor, ...]:
+        return (self.argmax, self.sample, self.entropy, self.lse, self.threshold, self.has_nan)
+
+
+def inverse_temperature(temperature: torch.Tensor) -> torch.Tensor:
+    """``1 / max(T, 1e-10)`` in fp32, computed once so every backend multiplies by it."""
+    return 1.0 / temperature.to(torch.float32).clamp(min=GREEDY_CLAMP)
+
+
+def softcapped(x: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    x = x.to(torch.float32)
+    if softcap is None:
+        return x
+    return torch.tanh(x / softcap) * softcap
+
+
+def top_k_top_p_threshold(
+    x: torch.Tensor, masked: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Per-row threshold ``t`` (keep ``x >= t``) of top-k then top-p; ``-inf`` when inactive.
+
+    ``x`` [n, V] fp32 softcapped logits, ``masked`` [n, V] bool, ``top_k`` [n] int64
+    (0 or >= V: off), ``top_p`` [n] fp32 (1: off).
+    """
+    n, vocab = x.shape
+    neg_inf = torch.tensor(float("-inf"), device=x.device)
+    thr = torch.full((n,), float("-inf"), dtype=torch.float32, device=x.device)
+    if top_k is None and top_p is None:
+        return thr
+    vals = torch.where(masked, neg_inf, x)
+    sorted_vals, _ = torch.sort(vals, dim=-1, descending=True)
+    if top_k is not None:
+        k = top_k.to(torch.int64)
+        active = (k > 0) & (k < vocab)
+        kth = sorted_vals.gather(1, (k.clamp(1, vocab) - 1).unsqueeze(1)).squeeze(1)
+        thr = torch.where(active, kth, thr)
+        sorted_vals = torch.where(sorted_vals >= thr.unsqueeze(1), sorted_vals, neg_inf)
+    if top_p is not None:
+        p = top_p.to(torch.float32)
+        probs = torch.softmax(sorted_vals.double(), dim=-1)
+        probs = torch.nan_to_num(probs, nan=0.0)
+        exclusive = torch.cumsum(probs, dim=-1) - probs
+        keep = exclusive < p.double().unsqueeze(1)
+        keep[:, 0] = True
+        last = keep.sum(dim=-1) - 1
+        pth = sorted_vals.gather(1, last.unsqueeze(1)).squeeze(1)
+        thr = torch.where(p < 1.0, torch.maximum(thr, pth), thr)
+    return thr
+
+
+def _rows_masked(
+    x: torch.Tensor, rows_request: torch.Tensor, allowed: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    nan = torch.isnan(x)
+    masked = nan | (x == float("-inf"))
+    if allowed is not None:
+        masked |= ~allowed[rows_request]
+    return masked, nan.any(dim=-1)
+
+
+def row_stats_rows(
+    logits: torch.Tensor,
+    row_request: torch.Tensor,
+    row_position: torch.Tensor,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor,
+    draws: torch.Tensor,
+    *,
+    softcap: float | None = None,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    allowed: torch.Tensor | None = None,
+    vocab_offset: int = 0,
+    chunk_rows: int = 64,
+) -> RowStats:
+    """Reference row statistics over flat rows (see the module docstring)."""
+    n_rows, vocab = logits.shape
+    device = logits.device
+    inv_t = inverse_temperature(temperature)
+    greedy = temperature.to(torch.float32) == 0
+    out = RowStats(
+        argmax=torch.zeros(n_rows, dtype=torch.int64, device=device),
+        sample=torch.zeros(n_rows, dtype=torch.int64, device=device),
+        entropy=torch.zeros(n_rows, dtype=torch.float32, device=device),
+        lse=torch.full((n_rows,), float("-inf"), dtype=torch.float32, device=device),
+        threshold=torch.full((n_rows,), float("-inf"), dtype=torch.float32, device=device),
+        has_nan=torch.zeros(n_rows, dtype=torch.bool, device=device),
+    )
+    tokens = torch.arange(vocab, device=device, dtype=torch.int64) + vocab_offset
+    for r0 in range(0, n_rows, chunk_rows):
+        r1 = min(r0 + chunk_rows, n_rows)
+        req = row_request[r0:r1].to(torch.int64)
+        x = softcapped(logits[r0:r1], softcap)
+        masked, has_nan = _rows_masked(x, req, allowed)
+        thr = top_k_top_p_threshold(
+            x,
+            masked,
+            None if top_k is None else top_k[req],
+            None if top_p is None else top_p[req],
+        )
+        masked |= x < thr.unsqueeze(1)
+        z = torch.clamp(x * inv_t[req].unsqueeze(1), max=FLT_MAX)
+        z = torch.where(masked, float("-inf"), z)
+        any_kept = ~masked.all(dim=-1)
+        m = z.max(dim=-1).values
+        safe_m = torch.where(any_kept, m, 0.0).unsqueeze(1)
+        shifted = z - safe_m
+        e = torch.exp(shifted)
+        big_z = e.sum(dim=-1)
+        a = torch.where(masked, 0.0, shifted * e).sum(dim=-1)
+        argmax = torch.argmax(z, dim=-1)  # first index of the max: lowest id on ties
+        key = keyed_noise.row_key(seeds[req].unsqueeze(1), draws[req].unsqueeze(1),
+                                  row_position[r0:r1].unsqueeze(1), Stream.GUMBEL)
+        g = keyed_noise.gumbel(keyed_noise.token_bits(key, tokens.unsqueeze(0)))
+        noisy = torch.where(masked, float("-inf"), z + g)
+        sample = torch.where(greedy[req], argmax, torch.argmax(noisy, dim=-1))
+        safe_z = torch.where(any_kept, big_z, 1.0)
+        out.argmax[r0:r1] = torch.where(any_kept, argmax + vocab_offset, 0)
+        out.sample[r0:r1] = torch.where(any_kept, sample + vocab_offset, 0)
+        out.entropy[r0:r1] = torch.where(any_kept, torch.log(safe_z) - a / safe_z, 0.0)
+        out.lse[r0:r1] = torch.where(any_kept, m + torch.log(safe_z), float("-inf"))
+        out.threshold[r0:r1] = thr
+        out.has_nan[r0:r1] = has_nan
+    return out
+
+
+def probabilities(
+    x_rows: torch.Tensor,
+    inv_t: torch.Tensor,
+    lse: torch.Tensor,
+    threshold: torch.Tensor,
+    masked_extra: torch.Tensor | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """``exp(z - lse)`` per entry with masked entries exactly 0 (fp32, [n, V])."""
+    x = softcapped(x_rows, softcap)
+    masked = torch.isnan(x) | (x == float("-inf")) | (x < threshold.unsqueeze(1))
+    if masked_extra is not None:
+        masked |= masked_extra
+    z = torch.clamp(x * inv_t.unsqueeze(1), max=FLT_MAX)
+    p = torch.exp(z - lse.unsqueeze(1))
+    return torch.where(masked | ~torch.isfinite(lse).unsqueeze(1), 0.0, p)
+
+
+def soft_embedding_rows(
+    logits: torch.Tensor,
+    row_request: torch.Tensor,
+    temperature: torch.Tensor,
+    lse: torch.Tensor,
+    embed_weight: torch.Tensor,
+    normalizer: torch.Tensor | float,
+    *,
+    keep: torch.Tensor | None = None,
+    threshold: torch.Tensor | None = None,
+    allowed: torch.Tensor | None = None,
+    vocab_start: int = 0,
+    softcap: float | None = None,
+    out: torch.Tensor | None = None,
+    chunk_rows: int = 64,
+) -> torch.Tensor:
+    """Reference ``normalizer * softmax(z)[:, vocab_start:+V_local] @ E`` over flat rows.
+
+    ``lse`` is the full-vocabulary logsumexp of ``z`` from ``row_stats``; ``embed_weight``
+    is ``[V_local, H]`` and multiplies logits columns ``[vocab_start, vocab_start +
+    V_local)``. Rows with ``keep`` False are zero. Accumulates in fp32.
+    """
+    n_rows = logits.shape[0]
+    v_local, hidden = embed_weight.shape
+    if out is None:
+        out = torch.empty(n_rows, hidden, dtype=torch.float32, device=logits.device)
+    inv_t = inverse_temperature(temperature)
+    norm = torch.as_tensor(normalizer, device=logits.device).to(torch.float32)
+    e32 = embed_weight.to(torch.float32)
+    cols = slice(vocab_start, vocab_start + v_local)
+    for r0 in range(0, n_rows, chunk_rows):
+        r1 = min(r0 + chunk_rows, n_rows)
+        req = row_request[r0:r1].to(torch.int64)
+        thr = (
+            threshold[r0:r1]
+            if threshold is not None
+            else torch.full((r1 - r0,), float("-inf"), device=logits.device)
+        )
+        extra = None if allowed is None else ~allowed[req][:, cols]
+        p = probabilities(logits[r0:r1, cols], inv_t[req], lse[r0:r1], thr, extra, softcap)
+        block = (p @ e32) * norm
+        if keep is not None:
+            block = torch.where(keep[r0:r1].unsqueeze(1), block, 0.0)
+        out[r0:r1] = block
+    return out
+
+
+def token_logprobs_rows(
+    logits: torch.Tensor,
+    inv_t: torch.Tensor,
+    threshold: torch.Tensor,
+    allowed: torch.Tensor | None,
+    selected: torch.Tensor,
+    num_logprobs: int,
+    token_ids: torch.Tensor | None = None,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logprobs of flat rows, vLLM's layout: column 0 the selected token, then top-n.
+
+    ``inv_t`` [n] per row, ``threshold`` [n], ``allowed`` [n, V] bool or None, ``selected``
+    [n] int64. With ``token_ids`` ([n, K] int64, -1 padded) the requested ids replace the
+    top-n columns. Returns (ids [n, 1 + cols] int64, logprobs [n, 1 + cols] fp32 with
+    -inf for padding, ranks [n] int64: 1 + number of entries strictly... counted as vLLM
+    does, the number of entries whose logprob is >= the selected one's).
+    """
+    x = softcapped(logits, softcap)
+    masked = torch.isnan(x) | (x < threshold.unsqueeze(1))
+    if allowed is not None:
+        masked |= ~allowed
+    z = torch.where(masked, float("-inf"), torch.clamp(x * inv_t.unsqueeze(1), max=FLT_MAX))
+    lp = torch.log_softmax(z, dim=-1)
+    if token_ids is not None:
+        cols = token_ids.to(torch.int64)
+        valid = cols >= 0
+        cols = cols.clamp(min=0)
+    else:
+        cols = torch.topk(z, num_logprobs, dim=-1).indices if num_logprobs > 0 else \
+            torch.empty(z.shape[0], 0, dtype=torch.int64, device=z.device)
+        valid = torch.ones_like(cols, dtype=torch.bool)
+    ids = torch.cat([selected.unsqueeze(1), cols], dim=1)
+    vals = lp.gather(1, ids)
+    vals[:, 1:] = torch.where(valid, vals[:, 1:], float("-inf"))
+    ids[:, 1:] = torch.where(valid, ids[:, 1:], 0)
+    sel_lp = vals[:, :1]
+    ranks = (lp >= sel_lp).sum(dim=-1)
+    return ids, vals, ranks
+
+
+def phantom_entropy(vocab_size: int) -> float:
+    """Entropy of a padded (all-zero) logits row: the uniform distribution, ``log V``."""
+    return math.log(vocab_size)

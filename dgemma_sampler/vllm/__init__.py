@@ -1,0 +1,1 @@
+"""vLLM integration: the plugin entry point and FusedDiffusionSampler."""

@@ -1,0 +1,1 @@
+"""Triton kernels of dgemma-sampler, installed as ``dgemma_sampler.kernels``."""
