@@ -135,9 +135,15 @@ def row_stats_rows(
     top_p: torch.Tensor | None = None,
     allowed: torch.Tensor | None = None,
     vocab_offset: int = 0,
+    column_tokens: torch.Tensor | None = None,
     chunk_rows: int = 64,
 ) -> RowStats:
-    """Reference row statistics over flat rows (see the module docstring)."""
+    """Reference row statistics over flat rows (see the module docstring).
+
+    ``column_tokens`` ([V] int64, optional) names the token id of each logits column when
+    the logits hold only an allowed subset of the vocabulary (vLLM's constrained reads):
+    the noise is keyed by that id and argmax / sample are returned as ids.
+    """
     n_rows, vocab = logits.shape
     device = logits.device
     inv_t = inverse_temperature(temperature)
@@ -150,7 +156,10 @@ def row_stats_rows(
         threshold=torch.full((n_rows,), float("-inf"), dtype=torch.float32, device=device),
         has_nan=torch.zeros(n_rows, dtype=torch.bool, device=device),
     )
-    tokens = torch.arange(vocab, device=device, dtype=torch.int64) + vocab_offset
+    if column_tokens is not None:
+        tokens = column_tokens.to(device=device, dtype=torch.int64)
+    else:
+        tokens = torch.arange(vocab, device=device, dtype=torch.int64) + vocab_offset
     for r0 in range(0, n_rows, chunk_rows):
         r1 = min(r0 + chunk_rows, n_rows)
         req = row_request[r0:r1].to(torch.int64)
@@ -179,8 +188,8 @@ def row_stats_rows(
         noisy = torch.where(masked, float("-inf"), z + g)
         sample = torch.where(greedy[req], argmax, torch.argmax(noisy, dim=-1))
         safe_z = torch.where(any_kept, big_z, 1.0)
-        out.argmax[r0:r1] = torch.where(any_kept, argmax + vocab_offset, 0)
-        out.sample[r0:r1] = torch.where(any_kept, sample + vocab_offset, 0)
+        out.argmax[r0:r1] = torch.where(any_kept, tokens[argmax], tokens[0])
+        out.sample[r0:r1] = torch.where(any_kept, tokens[sample], tokens[0])
         out.entropy[r0:r1] = torch.where(any_kept, torch.log(safe_z) - a / safe_z, 0.0)
         out.lse[r0:r1] = torch.where(any_kept, m + torch.log(safe_z), float("-inf"))
         out.threshold[r0:r1] = thr
@@ -220,6 +229,7 @@ def soft_embedding_rows(
     vocab_start: int = 0,
     softcap: float | None = None,
     out: torch.Tensor | None = None,
+    out_index: torch.Tensor | None = None,
     chunk_rows: int = 64,
 ) -> torch.Tensor:
     """Reference ``normalizer * softmax(z)[:, vocab_start:+V_local] @ E`` over flat rows.
@@ -227,6 +237,10 @@ def soft_embedding_rows(
     ``lse`` is the full-vocabulary logsumexp of ``z`` from ``row_stats``; ``embed_weight``
     is ``[V_local, H]`` and multiplies logits columns ``[vocab_start, vocab_start +
     V_local)``. Rows with ``keep`` False are zero. Accumulates in fp32.
+
+    ``out`` is ``[M, H]`` fp32 (a view of a slot-indexed buffer is fine); with
+    ``out_index`` ([N] int64) row n is written to ``out[out_index[n]]``, else to ``out[n]``.
+    Returns ``out``.
     """
     n_rows = logits.shape[0]
     v_local, hidden = embed_weight.shape
@@ -249,7 +263,10 @@ def soft_embedding_rows(
         block = (p @ e32) * norm
         if keep is not None:
             block = torch.where(keep[r0:r1].unsqueeze(1), block, 0.0)
-        out[r0:r1] = block
+        if out_index is None:
+            out[r0:r1] = block
+        else:
+            out[out_index[r0:r1]] = block
     return out
 
 

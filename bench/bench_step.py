@@ -1,0 +1,251 @@
+"""Whole decode step benchmark: the main job of dgemma-sampler.
+
+For each number of decoding requests it times one full decode step of ``DiffusionSampler``
+(statistics, acceptance, convergence bookkeeping and the self-conditioning soft embedding)
+and the reference paths measured in the same run:
+
+* ``materialized`` — the all-PyTorch fp32 step, eager (``bench/baselines.py``);
+* ``compiled`` — the same under ``torch.compile`` (GPU only; slow to build on a CPU);
+* ``floor`` (GPU) — one read of the logits at the measured copy bandwidth plus the cuBLAS
+  bf16 GEMM ``[rows, V] @ [V, H]``, the least any step can cost.
+
+It reports median time, transient memory (peak allocated beyond inputs and persistent
+state) and agreement of our step with the PyTorch reference backend on the same inputs.
+Shapes: DiffusionGemma's (CL 256, V 262144, H 2816) on a GPU, scaled down on a CPU.
+
+    python bench/bench_step.py                      # sized for the device found
+    python bench/bench_step.py --requests 1,4 --out bench/results/step.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import baselines  # noqa: E402
+
+import dgemma_sampler as ds  # noqa: E402
+
+GIB = 1024**3
+
+
+def device_timer(fn, warmup: int, reps: int, cuda: bool) -> float:
+    """Median milliseconds of ``fn`` after warm-up (CUDA events on a GPU)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def transient_bytes(fn, cuda: bool) -> float | None:
+    """Peak bytes allocated by ``fn`` beyond what was allocated before it (CUDA only)."""
+    if not cuda:
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return float(torch.cuda.max_memory_allocated() - base)
+
+
+def make_sampler(n, canvas, vocab, hidden, embed, backend, device):
+    # Never converge: every timed step is a denoise step with its soft embedding.
+    cfg = ds.SamplerConfig(canvas_length=canvas, confidence_threshold=0.0,
+                           max_denoising_steps=1_000_000)
+    state = ds.DiffusionState(n, cfg, vocab, hidden, device)
+    for s in range(n):
+        state.add_request(s, seed=1000 + s)
+    sampler = ds.DiffusionSampler(cfg, state, embed, float(hidden) ** 0.5, backend=backend)
+    sampler.prefill(list(range(n)))
+    return sampler
+
+
+def agreement(n, logits, canvas, vocab, hidden, embed, device, backend):
+    """Ours vs the PyTorch reference backend from identical states and logits."""
+    outs = []
+    for b in (backend, "torch"):
+        sampler = make_sampler(n, canvas, vocab, hidden, embed, b, device)
+        out = sampler.step(logits, list(range(n)))
+        outs.append((out.stats, sampler.state.self_conditioning_embeds[:n].clone()))
+    (a, sa), (r, sr) = outs
+    ent_err = ((a.entropy - r.entropy).abs() / r.entropy.abs().clamp(min=1e-6)).max().item()
+    lse_err = ((a.lse - r.lse).abs() / r.lse.abs().clamp(min=1e-6)).max().item()
+    soft_err = ((sa - sr).norm() / sr.norm().clamp(min=1e-30)).item()
+    return {
+        "argmax_equal": (a.argmax == r.argmax).float().mean().item(),
+        "sample_equal": (a.sample == r.sample).float().mean().item(),
+        "entropy_max_rel_err": ent_err,
+        "lse_max_rel_err": lse_err,
+        "soft_embedding_rel_err": soft_err,
+    }
+
+
+def measure_floor(rows, vocab, hidden, logits, embed, warmup, reps):
+    """One read of the logits at copy bandwidth + cuBLAS bf16 GEMM of the step's shape."""
+    src = torch.empty(256 * 1024**2 // 4, dtype=torch.float32, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    copy_ms = device_timer(lambda: dst.copy_(src), warmup, reps, True)
+    copy_bw = 2 * src.numel() * 4 / (copy_ms * 1e-3)
+    probs = torch.empty(rows, vocab, dtype=torch.bfloat16, device="cuda").normal_()
+    gemm_ms = device_timer(lambda: probs @ embed, warmup, reps, True)
+    del probs, src, dst
+    read_ms = logits.numel() * logits.element_size() / copy_bw * 1e3
+    return {"copy_TBps": copy_bw / 1e12, "gemm_ms": gemm_ms, "read_ms": read_ms,
+            "floor_ms": read_ms + gemm_ms}
+
+
+def main(argv=None) -> int:
+    cuda = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--requests", default="1,4,16,32" if cuda else "1,2,4")
+    p.add_argument("--canvas", type=int, default=256 if cuda else 32)
+    p.add_argument("--vocab", type=int, default=262144 if cuda else 4099)
+    p.add_argument("--hidden", type=int, default=2816 if cuda else 96)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--backend", default="auto", choices=["auto", "triton", "torch"])
+    p.add_argument("--reps", type=int, default=10 if cuda else 3)
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    p.add_argument("--no-check", action="store_true", help="skip the agreement check")
+    p.add_argument("--out", default=None, help="JSON results (default bench/results/step-<device>.json)")
+    p.add_argument("--plot", default=None, help="PNG plot (default next to --out)")
+    args = p.parse_args(argv)
+
+    device = torch.device("cuda" if cuda else "cpu")
+    name = torch.cuda.get_device_name() if cuda else platform.processor() or "cpu"
+    tag = "h200" if "H200" in name else ("gpu" if cuda else "cpu")
+    out_path = args.out or os.path.join(os.path.dirname(__file__), "results", f"step-{tag}.json")
+    plot_path = args.plot or out_path.replace(".json", ".png")
+    dtype = getattr(torch, args.dtype)
+    requests = [int(r) for r in args.requests.split(",")]
+    backend = ds.ops.resolve_backend(args.backend, device)
+    warmup = 2 if cuda else 1
+    use_compile = cuda and not args.no_compile
+    gen = torch.Generator(device=device).manual_seed(0)
+    embed = (torch.randn(args.vocab, args.hidden, device=device, generator=gen) * 0.02).to(torch.bfloat16)
+
+    results = []
+    bar = tqdm(requests, desc="decode step", unit="size", file=sys.stderr)
+    for n in bar:
+        bar.set_postfix(requests=n)
+        rows = n * args.canvas
+        logits = (torch.randn(rows, args.vocab, device=device, generator=gen) * 3).to(dtype)
+        temps = torch.full((rows,), 0.8, device=device)
+        row = {"requests": n, "rows": rows}
+        sampler = make_sampler(n, args.canvas, args.vocab, args.hidden, embed, backend, device)
+        slots = list(range(n))
+        ours = lambda: sampler.step(logits, slots)  # noqa: E731
+        row["ours_ms"] = device_timer(ours, warmup, args.reps, cuda)
+        row["ours_transient_bytes"] = transient_bytes(ours, cuda)
+        norm = float(args.hidden) ** 0.5
+        mat = lambda: baselines.materialized_step(logits, temps, embed, norm)  # noqa: E731
+        row["materialized_ms"] = device_timer(mat, 1, max(3, args.reps // 2), cuda)
+        row["materialized_transient_bytes"] = transient_bytes(mat, cuda)
+        if use_compile:
+            comp = lambda: baselines.compiled_step(logits, temps, embed, norm)  # noqa: E731
+            row["compiled_ms"] = device_timer(comp, 2, max(3, args.reps // 2), cuda)
+            row["compiled_transient_bytes"] = transient_bytes(comp, cuda)
+        if cuda:
+            row.update(measure_floor(rows, args.vocab, args.hidden, logits, embed, 2, 10))
+            row["ours_over_floor"] = row["ours_ms"] / row["floor_ms"]
+        row["speedup_vs_materialized"] = row["materialized_ms"] / row["ours_ms"]
+        if not args.no_check:
+            row["agreement"] = agreement(n, logits, args.canvas, args.vocab, args.hidden, embed,
+                                         device, backend)
+        results.append(row)
+        del logits, sampler
+        if cuda:
+            torch.cuda.empty_cache()
+
+    meta = {
+        "command": "python bench/bench_step.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "device": name, "date": datetime.date.today().isoformat(), "backend": backend,
+        "torch": torch.__version__, "canvas": args.canvas, "vocab": args.vocab,
+        "hidden": args.hidden, "logits_dtype": args.dtype,
+    }
+    try:
+        import triton
+        meta["triton"] = triton.__version__
+    except ImportError:
+        pass
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    with open(out_path, "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=2)
+    plot(results, plot_path, meta)
+    print_table(results, meta, out_path, plot_path)
+    return 0
+
+
+def print_table(results, meta, out_path, plot_path):
+    def mib(b):
+        return "n/a" if b is None else f"{b / 2**20:.1f}"
+
+    print(f"\n{meta['device']} | backend={meta['backend']} | CL={meta['canvas']} V={meta['vocab']} "
+          f"H={meta['hidden']} logits={meta['logits_dtype']} | {meta['date']}")
+    head = f"{'reqs':>5} {'ours ms':>9} {'mat. ms':>9} {'comp. ms':>9} {'floor ms':>9} {'x floor':>8} " \
+           f"{'ours MiB':>9} {'mat. MiB':>9} {'argmax=':>8} {'sample=':>8} {'ent err':>8} {'soft err':>9}"
+    print(head)
+    for r in results:
+        ag = r.get("agreement", {})
+        print(f"{r['requests']:>5} {r['ours_ms']:>9.2f} {r['materialized_ms']:>9.2f} "
+              f"{r.get('compiled_ms', float('nan')):>9.2f} {r.get('floor_ms', float('nan')):>9.2f} "
+              f"{r.get('ours_over_floor', float('nan')):>8.2f} {mib(r['ours_transient_bytes']):>9} "
+              f"{mib(r['materialized_transient_bytes']):>9} {ag.get('argmax_equal', float('nan')):>8.4f} "
+              f"{ag.get('sample_equal', float('nan')):>8.4f} {ag.get('entropy_max_rel_err', float('nan')):>8.1e} "
+              f"{ag.get('soft_embedding_rel_err', float('nan')):>9.1e}")
+    print(f"results: {out_path}\nplot: {plot_path}")
+
+
+def plot(results, path, meta):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = [r["requests"] for r in results]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for key, label in [("ours_ms", "dgemma-sampler"), ("materialized_ms", "PyTorch fp32 eager"),
+                       ("compiled_ms", "PyTorch fp32 compiled"), ("floor_ms", "floor (read + GEMM)")]:
+        if key in results[0]:
+            ax1.plot(n, [r[key] for r in results], marker="o", label=label)
+    ax1.set(xlabel="decoding requests", ylabel="ms per step", title="decode step time")
+    ax1.legend()
+    for key, label in [("ours_transient_bytes", "dgemma-sampler"),
+                       ("materialized_transient_bytes", "PyTorch fp32 eager"),
+                       ("compiled_transient_bytes", "PyTorch fp32 compiled")]:
+        vals = [r.get(key) for r in results]
+        if all(v is not None for v in vals):
+            ax2.plot(n, [v / GIB for v in vals], marker="o", label=label)
+    ax2.set(xlabel="decoding requests", ylabel="GiB", title="transient memory")
+    if ax2.lines:
+        ax2.legend()
+    fig.suptitle(f"{meta['device']} — {meta['date']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""Slot-indexed per-request state of the denoising sampler.
+
+The tensor names match vLLM 0.33's ``DiffusionGemmaRequestStates`` so that the decode step
+(``step.py``) runs over either object; the vLLM adapter hands it vLLM's own states plus the
+two tensors vLLM does not have: ``seeds`` and ``draws`` (request seed and that request's
+draw counter, the keys of every random number).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from .config import SamplerConfig
+from .keyed_noise import Stream, random_tokens
+
+
+def _as_index(slots, device) -> torch.Tensor:
+    return torch.as_tensor(slots, dtype=torch.int64).to(device, non_blocking=True)
+
+
+class DiffusionState:
+    """Pre-allocated per-slot tensors for up to ``max_num_reqs`` concurrent requests.
+
+    Phases: a request enters in prefill (``is_encoder_phase`` True). ``finish_prefill``
+    draws its first canvas and flips it to denoising. Each decode step either denoises
+    (step counter +1) or, once converged, commits (``is_encoder_phase`` True means "the
+    next step commits"; it emits the argmax canvas and starts a fresh canvas).
+    """
+
+    def __init__(
+        self,
+        max_num_reqs: int,
+        cfg: SamplerConfig,
+        vocab_size: int,
+        hidden_size: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if not isinstance(max_num_reqs, int) or max_num_reqs < 1:
+            raise ValueError(f"max_num_reqs must be an int >= 1, got {max_num_reqs!r}")
+        if not isinstance(vocab_size, int) or vocab_size < 1:
+            raise ValueError(f"vocab_size must be an int >= 1, got {vocab_size!r}")
+        if not isinstance(hidden_size, int) or hidden_size < 1:
+            raise ValueError(f"hidden_size must be an int >= 1, got {hidden_size!r}")
+        device = torch.device(device)
+        self.cfg = cfg
+        self.max_num_reqs = max_num_reqs
+        self.canvas_length = cl = cfg.canvas_length
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.max_denoising_steps = cfg.max_denoising_steps
+        self.stability_threshold = st = cfg.ring_size  # vLLM's name for the ring size
+        self.device = device
+
+        def zeros(*shape, dtype):
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        self.is_encoder_phase = zeros(max_num_reqs, dtype=torch.bool)
+        self.canvas = zeros(max_num_reqs, cl, dtype=torch.int64)
+        self.argmax_canvas = zeros(max_num_reqs, cl, dtype=torch.int64)
+        self.step = zeros(max_num_reqs, dtype=torch.int32)
+        self.accepted_canvas_history = zeros(max_num_reqs, st, cl, dtype=torch.int64)
+        self.accepted_canvas_history_len = zeros(max_num_reqs, dtype=torch.int32)
+        self.confident = zeros(max_num_reqs, dtype=torch.bool)
+        self.max_steps = torch.full((max_num_reqs,), cfg.max_denoising_steps, dtype=torch.int32,
+                                    device=device)
+        self.seed_canvas = zeros(max_num_reqs, cl, dtype=torch.int64)
+        self.has_seed = zeros(max_num_reqs, dtype=torch.bool)
+        self.pin_mask = zeros(max_num_reqs, cl, dtype=torch.bool)
+        self.read_only = zeros(max_num_reqs, dtype=torch.bool)
+        self.self_conditioning_embeds = zeros(max_num_reqs, cl, hidden_size, dtype=torch.float32)
+        self.seeds = zeros(max_num_reqs, dtype=torch.int64)
+        self.draws = zeros(max_num_reqs, dtype=torch.int64)
+        self.top_k = zeros(max_num_reqs, dtype=torch.int64)
+        self.top_p = torch.ones(max_num_reqs, dtype=torch.float32, device=device)
+        # Host-side mirrors: which slots need the optional work, without reading the GPU.
+        self.canvas_width_np = np.full(max_num_reqs, cl, dtype=np.int32)
+        self.seeded_slots: set[int] = set()
+        self.read_only_slots: set[int] = set()
+        self.single_step_slots: set[int] = set()
+        self.constrained: dict[int, tuple[int, ...]] = {}
+        self.top_k_np = np.zeros(max_num_reqs, dtype=np.int64)
+        self.top_p_np = np.ones(max_num_reqs, dtype=np.float32)
+        self.active: set[int] = set()
+        self._seed_source = torch.Generator().manual_seed(0x5EED)
+
+    # ------------------------------------------------------------------ requests
+    def check_slot(self, slot: int) -> None:
+        if not isinstance(slot, (int, np.integer)) or not 0 <= int(slot) < self.max_num_reqs:
+            raise ValueError(f"slot must be an int in [0, {self.max_num_reqs}), got {slot!r}")
+
+    def add_request(
+        self,
+        slot: int,
+        *,
+        seed: int | None = None,
+        max_steps: int | None = None,
+        canvas_width: int | None = None,
+        seed_canvas: Sequence[int] | None = None,
+        pinned: Sequence[int] | None = None,
+        read_only: bool = False,
+        allowed_ids: Sequence[int] | None = None,
+        top_k: int = 0,
+        top_p: float = 1.0,
+    ) -> None:
+        """Start a request in ``slot`` (prefill phase). Clamps and validates like vLLM.
+
+        ``seed`` (any 64-bit int) makes the generation reproducible; without one a seed is
+        drawn from the state's own generator. ``max_steps`` is clamped to
+        ``[1, max_denoising_steps]`` and ``canvas_width`` to ``[1, canvas_length]`` as vLLM
+        does; ``seed_canvas`` must hold exactly ``canvas_width`` ids and ``pinned`` positions
+        need a seed canvas.
+        """
+        self.check_slot(slot)
+        cl, vocab = self.canvas_length, self.vocab_size
+        if seed is None:
+            seed = int(torch.randint(-(2**63), 2**63 - 1, (1,), generator=self._seed_source))
+        if not isinstance(seed, (int, np.integer)) or not -(2**63) <= int(seed) < 2**64:
+            raise ValueError(f"seed must be a 64-bit integer, got {seed!r}")
+        seed = int(seed)
+        if seed >= 2**63:  # an unsigned 64-bit seed keeps its bits
+            seed -= 2**64
+        if not isinstance(top_k, (int, np.integer)) or top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 disables), got {top_k!r}")
+        if not (isinstance(top_p, (int, float)) and 0.0 < top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+        self.remove_request(slot)
+        self.active.add(slot)
+        self.is_encoder_phase[slot] = True
+        self.step[slot] = 0
+        self.draws[slot] = 0
+        self.seeds[slot] = seed
+        self.top_k[slot] = int(top_k)
+        self.top_p[slot] = float(top_p)
+        self.top_k_np[slot] = int(top_k)
+        self.top_p_np[slot] = float(top_p)
+        if max_steps is not None:
+            cap = max(1, min(int(max_steps), self.max_denoising_steps))
+            self.max_steps[slot] = cap
+            if cap == 1:
+                self.single_step_slots.add(slot)
+        if canvas_width:
+            self.canvas_width_np[slot] = max(1, min(int(canvas_width), cl))
+        width = int(self.canvas_width_np[slot])
+        if seed_canvas is not None:
+            ids = [int(t) for t in seed_canvas]
+            if len(ids) != width:
+                raise ValueError(f"seed_canvas must hold exactly {width} ids, got {len(ids)}")
+            if any(not 0 <= t < vocab for t in ids):
+                raise ValueError(f"seed_canvas ids must be in [0, {vocab})")
+            self.seed_canvas[slot, :width] = torch.tensor(ids, dtype=torch.int64)
+            self.has_seed[slot] = True
+            self.seeded_slots.add(slot)
+        if pinned:
+            if seed_canvas is None:
+                raise ValueError("pinned positions need a seed_canvas to hold")
+            pos = [int(p) for p in pinned]
+            if any(not 0 <= p < width for p in pos):
+                raise ValueError(f"pinned positions must be in [0, {width})")
+            self.pin_mask[slot, pos] = True
+        if read_only:
+            self.read_only[slot] = True
+            self.read_only_slots.add(slot)
+        if allowed_ids is not None:
+            ids = tuple(sorted({int(t) for t in allowed_ids}))
+            if not ids or ids[0] < 0 or ids[-1] >= vocab:
+                raise ValueError(f"allowed_ids must be a non-empty set of ids in [0, {vocab})")
+            self.constrained[slot] = ids
+
+    def remove_request(self, slot: int) -> None:
+        """Free ``slot``; every per-slot field returns to its default."""
+        self.check_slot(slot)
+        self.active.discard(slot)
+        self.is_encoder_phase[slot] = False
+        self.step[slot] = 0
+        self.accepted_canvas_history_len[slot] = 0
+        self.self_conditioning_embeds[slot] = 0
+        self.max_steps[slot] = self.max_denoising_steps
+        self.has_seed[slot] = False
+        self.pin_mask[slot] = False
+        self.read_only[slot] = False
+        self.top_k[slot] = 0
+        self.top_p[slot] = 1.0
+        self.top_k_np[slot] = 0
+        self.top_p_np[slot] = 1.0
+        self.canvas_width_np[slot] = self.canvas_length
+        self.seeded_slots.discard(slot)
+        self.read_only_slots.discard(slot)
+        self.single_step_slots.discard(slot)
+        self.constrained.pop(slot, None)
+
+    # ------------------------------------------------------------------ canvases
+    def fresh_canvas(self, slots: torch.Tensor, width: int) -> torch.Tensor:
+        """Uniform random canvases ``[n, width]`` keyed on (seed, draw, position)."""
+        pos = torch.arange(width, device=slots.device)
+        return random_tokens(self.seeds[slots].unsqueeze(1), self.draws[slots].unsqueeze(1),
+                             pos.unsqueeze(0), Stream.CANVAS, self.vocab_size)
+
+    def finish_prefill(self, slots: Sequence[int] | torch.Tensor) -> None:
+        """Draw the first canvas of ``slots`` (seed canvases replace it) and start denoising."""
+        idx = _as_index(slots, self.device)
+        if idx.numel() == 0:
+            return
+        self.canvas[idx] = self.fresh_canvas(idx, self.canvas_length)
+        self.canvas[idx] = torch.where(self.has_seed[idx].unsqueeze(1), self.seed_canvas[idx],
+                                       self.canvas[idx])
+        self.is_encoder_phase[idx] = False
+
+    def allowed_mask(self, slots: Sequence[int], vocab: int) -> torch.Tensor | None:
+        """``[len(slots), vocab]`` bool masks of the constrained slots (all True elsewhere)."""
+        if not self.constrained or not any(s in self.constrained for s in slots):
+            return None
+        mask = torch.ones(len(slots), vocab, dtype=torch.bool)
+        for i, s in enumerate(slots):
+            ids = self.constrained.get(int(s))
+            if ids is not None:
+                mask[i] = False
+                mask[i, list(ids)] = True
+        return mask.to(self.device, non_blocking=True)

@@ -1,0 +1,354 @@
+"""Tensor parallelism: row statistics and soft embedding over a vocabulary-sharded logits tensor.
+
+Under tensor parallelism rank ``r`` holds the logits of the vocabulary slice
+``[vocab_start_r, vocab_end_r)`` only (slices may be uneven, empty, and need not follow
+rank order; together they partition ``[0, vocab_size)``). Upstream gathers the full
+``[rows, V]`` logits on every rank before sampling. Here the logits stay local: each rank
+computes the statistics of its slice and the ranks exchange O(1) numbers per row in ONE
+``all_gather`` per step, from which every rank derives the single-GPU answer.
+
+Merging the partials of one row (``k`` ranks, ``r`` over the ranks whose slice kept an
+entry, i.e. whose local ``lse_r > -inf``)::
+
+    lse      = logsumexp_r(lse_r)
+    w_r      = exp(lse_r - lse)                 # share of the probability on rank r
+    entropy  = sum_r w_r * (H_r - (lse_r - lse))
+
+The entropy identity is the chain rule ``H = sum_r w_r H_r + H(w)``; written with
+``log w_r = lse_r - lse`` (never ``log(exp(...))``) every term is non-negative, so nothing
+cancels. It is evaluated in float64 from the fp32 partials.
+
+``argmax`` is the lowest global id among the ranks' local argmaxes whose ``z`` is the
+largest, which is exactly "lowest id of the largest z" over the whole row. ``sample`` is
+the same with the key ``z + G(global id)``: the Gumbel-max winner of the row is the winner
+of the winners, because the keyed noise of a token depends on its global id only (the
+local pass runs with ``vocab_offset = vocab_start``). Greedy rows (T == 0) take the merged
+argmax. The ``z`` and the key of a local winner are recomputed here from one gathered logit
+per row, with the same fp32 operations as ``reference.py``; when a backend computes them
+with a different ``tanh`` / ``log`` (softcap, Gumbel noise) they can differ by an ulp, so a
+cross-rank near-tie within an ulp may resolve differently than on one GPU (the only
+documented difference; exact ties always go to the lowest global id).
+
+A row that no rank kept (every entry masked) gives argmax = sample = 0, entropy = 0,
+lse = -inf, as on one GPU; ``has_nan`` is OR-ed over the ranks.
+
+The soft embedding needs no new math: ``normalizer * sum_v p_v E[v]`` is a sum over the
+vocabulary, so each rank computes its slice's term with the *global* lse (already scaled by
+the normalizer, which is linear) and one fp32 ``all_reduce`` sums them.
+
+top-k / top-p / allowed-token sets are not supported under tensor parallelism (their
+thresholds would need a distributed selection); vLLM itself refuses constrained reads
+with tensor parallelism. They raise ``NotImplementedError``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import keyed_noise, ops, reference
+from .keyed_noise import Stream
+from .reference import FLT_MAX, RowStats
+
+# Columns of the packed per-row partials (int32; fp32 values travel as their bit patterns,
+# so the exchange is exact and one tensor of one dtype carries everything).
+Z_MAX, SAMPLE_KEY, LSE, ENTROPY, ARGMAX, SAMPLE, HAS_NAN = range(7)
+NUM_FIELDS = 7
+
+_TP_UNSUPPORTED = (
+    "{name} is not supported with a vocabulary-sharded (tensor-parallel) sampler: its "
+    "threshold would need a distributed selection over the whole vocabulary. vLLM refuses "
+    "constrained reads under tensor parallelism as well; run these requests with "
+    "tensor_parallel_size=1 or gather the logits first."
+)
+
+
+def vocab_slice(vocab_size: int, rank: int, world_size: int) -> tuple[int, int]:
+    """``[start, end)`` of ``rank``'s share when ``vocab_size`` is split as evenly as possible.
+
+    The first ``vocab_size % world_size`` ranks hold one token more. (vLLM pads each
+    partition to a multiple of 64 instead; any partition works with this module as long as
+    the slices tile ``[0, vocab_size)`` and padding columns are cut off the local logits.)
+    """
+    if not (0 <= rank < world_size):
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    base, extra = divmod(vocab_size, world_size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
+def world_size_of(group=None) -> int:
+    """Ranks in ``group``; 1 when torch.distributed is not initialized (no group at all)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            raise ValueError("a process group was given but torch.distributed is not initialized")
+        return 1
+    return dist.get_world_size(group)
+
+
+def _check_slice(v_local: int, vocab_start: int, vocab_size: int, world: int) -> None:
+    if not (0 < vocab_size < 2**31):
+        raise ValueError(f"vocab_size must be in [1, 2^31), got {vocab_size}")
+    if not (0 <= vocab_start and vocab_start + v_local <= vocab_size):
+        raise ValueError(
+            f"local logits hold vocabulary [{vocab_start}, {vocab_start + v_local}), which is not "
+            f"inside [0, vocab_size={vocab_size}); cut padding columns off the local logits"
+        )
+    if world == 1 and (vocab_start != 0 or v_local != vocab_size):
+        raise ValueError(
+            f"with one rank the local logits must hold the whole vocabulary [0, {vocab_size}), "
+            f"got [{vocab_start}, {vocab_start + v_local})"
+        )
+
+
+def _f32_bits(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float32).contiguous().view(torch.int32)
+
+
+def _bits_f32(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.float32)
+
+
+def local_row_partials(
+    local_logits: torch.Tensor,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor,
+    draws: torch.Tensor,
+    *,
+    vocab_start: int,
+    softcap: float | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, RowStats | None]:
+    """Statistics of this rank's vocabulary slice, packed as ``[R * W, NUM_FIELDS]`` int32.
+
+    Returns the packed partials and the local ``RowStats`` (flat rows, global ids; None for
+    an empty slice). An empty slice packs as an all-masked one (lse = -inf).
+    """
+    r, w, v_local = local_logits.shape
+    n = r * w
+    device = local_logits.device
+    if v_local == 0:
+        packed = torch.zeros(n, NUM_FIELDS, dtype=torch.int32, device=device)
+        neg_inf = torch.full((n,), float("-inf"), dtype=torch.float32, device=device)
+        for col in (Z_MAX, SAMPLE_KEY, LSE):
+            packed[:, col] = _f32_bits(neg_inf)
+        return packed, None
+    flat, request, position = ops._flat_rows(local_logits)
+    if ops.resolve_backend(backend, device) == "triton":
+        from .kernels.row_stats import row_stats_rows as run
+    else:
+        run = reference.row_stats_rows
+    stats = run(flat, request, position, temperature, seeds, draws, softcap=softcap,
+                vocab_offset=vocab_start)
+
+    # z and key of the local winners, recomputed from one logit per row with the fp32
+    # operations of reference.py: the kernel does not export them, and one gathered logit
+    # per row costs nothing next to the pass over the slice.
+    req = request.to(torch.int64)
+    inv_t = reference.inverse_temperature(temperature)[req]
+
+    def z_of(token: torch.Tensor) -> torch.Tensor:
+        local = (token - vocab_start).clamp(0, v_local - 1)  # all-masked rows: ignored later
+        x = flat.gather(1, local.unsqueeze(1)).squeeze(1)
+        return torch.clamp(reference.softcapped(x, softcap) * inv_t, max=FLT_MAX)
+
+    key = keyed_noise.row_key(seeds[req], draws[req], position, Stream.GUMBEL)
+    gumbel = keyed_noise.gumbel(keyed_noise.token_bits(key, stats.sample))
+    packed = torch.stack(
+        [
+            _f32_bits(z_of(stats.argmax)),
+            _f32_bits(z_of(stats.sample) + gumbel),
+            _f32_bits(stats.lse),
+            _f32_bits(stats.entropy),
+            stats.argmax.to(torch.int32),
+            stats.sample.to(torch.int32),
+            stats.has_nan.to(torch.int32),
+        ],
+        dim=1,
+    )
+    return packed, stats
+
+
+def merge_row_partials(gathered: torch.Tensor, greedy: torch.Tensor) -> RowStats:
+    """Single-GPU row statistics from every rank's packed partials.
+
+    ``gathered`` ``[world, N, NUM_FIELDS]`` int32 (any rank order), ``greedy`` ``[N]`` bool
+    (T == 0). Returns flat ``[N]`` RowStats (threshold -inf: no top-k / top-p under TP).
+    """
+    world, n, fields = gathered.shape
+    if fields != NUM_FIELDS:
+        raise ValueError(f"gathered partials must have {NUM_FIELDS} fields, got {fields}")
+    neg_inf = float("-inf")
+    lse_r = _bits_f32(gathered[..., LSE])
+    # NaN lse (degenerate input) stays "kept" so it propagates as it would on one GPU.
+    kept = lse_r != neg_inf
+    any_kept = kept.any(dim=0)
+
+    # lse and entropy in float64 from each slice's max m_r and log-partition L_r = log Z_r,
+    # relative to M = max_r m_r so that nothing large is added to something small (near
+    # FLT_MAX, where +inf logits clamp, log(total) would vanish next to lse even in fp64).
+    m_r = torch.where(kept, _bits_f32(gathered[..., Z_MAX]).double(), neg_inf)
+    lse64 = lse_r.double()
+    h_r = _bits_f32(gathered[..., ENTROPY]).double()
+    big_m = torch.where(any_kept, m_r.max(dim=0).values, 0.0)
+    # L_r = lse_r - m_r loses everything below half an ulp of the fp32 lse_r: at T = 0
+    # (z = x * 1e10) a 3-way tie has L_r = log 3 and lse_r = m_r exactly. Then H_r is
+    # the exact L_r (H = L - E[m - z] and every entry but the tied maxima underflows), and
+    # it is the one candidate consistent with lse_r; whenever H_r is consistent with lse_r
+    # it is at least as good as lse_r - m_r, so prefer it there.
+    slack = (lse64.abs() + m_r.abs() + h_r.abs()) * 2.0**-23
+    from_entropy = ((m_r + h_r) - lse64).abs() <= slack
+    log_z = torch.where(from_entropy, h_r, lse64 - m_r)
+    d_r = torch.where(kept, (m_r - big_m) + log_z, neg_inf)
+    top = torch.where(any_kept, d_r.max(dim=0).values, 0.0)
+    log_total = torch.log(torch.exp(d_r - top).sum(dim=0))  # total >= 1 where any_kept
+    lse = torch.where(any_kept, big_m + (top + log_total), neg_inf)
+    log_w = torch.where(kept, (d_r - top) - log_total, 0.0)  # log of rank r's probability share
+    entropy = torch.where(kept, torch.exp(log_w) * (h_r - log_w), 0.0).sum(dim=0)
+    entropy = torch.where(any_kept, entropy, 0.0)
+
+    def winner(score_col: int, id_col: int) -> torch.Tensor:
+        # Largest score, ties to the lowest global id; ranks that kept nothing never win.
+        score = torch.where(kept, _bits_f32(gathered[..., score_col]), neg_inf)
+        best = score.max(dim=0).values
+        ids = gathered[..., id_col].to(torch.int64)
+        candidate = kept & (score == best)
+        return torch.where(candidate, ids, torch.iinfo(torch.int64).max).min(dim=0).values
+
+    argmax = torch.where(any_kept, winner(Z_MAX, ARGMAX), 0)
+    sample = torch.where(greedy, argmax, torch.where(any_kept, winner(SAMPLE_KEY, SAMPLE), 0))
+    return RowStats(
+        argmax=argmax,
+        sample=sample,
+        entropy=entropy.to(torch.float32),
+        lse=lse.to(torch.float32),
+        threshold=torch.full((n,), neg_inf, dtype=torch.float32, device=gathered.device),
+        has_nan=(gathered[..., HAS_NAN] != 0).any(dim=0),
+    )
+
+
+def _all_gather_rows(packed: torch.Tensor, world: int, group) -> torch.Tensor:
+    """``[N, F]`` on every rank -> ``[world, N, F]`` (group rank order), one collective."""
+    n, fields = packed.shape
+    # The concatenated output form is the one every backend accepts (gloo rejects the
+    # stacked form). Newer torch renamed the call all_gather_single and deprecates the
+    # old name, which older releases (the GPU machine's) still need.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    out = packed.new_empty((world * n, fields))
+    gather(out, packed.contiguous(), group=group)
+    return out.view(world, n, fields)
+
+
+def _reject_constraints(**constraints) -> None:
+    for name, value in constraints.items():
+        if value is not None:
+            raise NotImplementedError(_TP_UNSUPPORTED.format(name=name))
+
+
+def row_stats_sharded(
+    local_logits: torch.Tensor,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor,
+    draws: torch.Tensor,
+    *,
+    vocab_start: int,
+    vocab_size: int,
+    group=None,
+    softcap: float | None = None,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    allowed: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> RowStats:
+    """``ds.row_stats`` of the full-vocabulary logits, from this rank's slice and one all_gather.
+
+    Parameters
+    ----------
+    local_logits : ``[R, W, V_local]`` fp32 / bf16 / fp16, this rank's columns
+        ``[vocab_start, vocab_start + V_local)`` of the ``[R, W, vocab_size]`` logits
+        (contiguous in V; ``V_local`` may be 0). Every rank passes the same ``R, W``.
+    temperature, seeds, draws : ``[R]``, identical on every rank (see ``ds.row_stats``).
+    vocab_start, vocab_size : this rank's offset and the full vocabulary size.
+    group : the tensor-parallel process group (None: the default group, or a single
+        process when torch.distributed is not initialized).
+
+    Returns ``[R, W]`` RowStats with global token ids, identical on every rank, equal to
+    ``ds.row_stats(full_logits, ...)`` (module docstring: exact up to fp32 rounding of lse /
+    entropy and ulp-level near-ties between ranks).
+    """
+    _reject_constraints(top_k=top_k, top_p=top_p, allowed=allowed)
+    ops.check_tensor("local_logits", local_logits, dim=3, dtypes=ops.FLOAT_DTYPES)
+    r, w, v_local = local_logits.shape
+    if local_logits.numel() and local_logits.stride(2) != 1:
+        raise ValueError("local_logits must be contiguous in the vocabulary dimension")
+    ops._check_request_params(local_logits, temperature, seeds, draws, None, None, None)
+    if softcap is not None and not (softcap > 0 and softcap != float("inf")):
+        raise ValueError(f"softcap must be None or a finite float > 0, got {softcap!r}")
+    world = world_size_of(group)
+    _check_slice(v_local, vocab_start, vocab_size, world)
+
+    packed, local = local_row_partials(local_logits, temperature, seeds, draws,
+                                       vocab_start=vocab_start, softcap=softcap, backend=backend)
+    if world == 1:
+        return local.view(r, w)  # the slice is the whole vocabulary
+    n = r * w
+    if n == 0:  # every rank has the same R, W, so all skip the collective together
+        return merge_row_partials(packed.unsqueeze(0), packed.new_zeros(0, dtype=torch.bool)).view(r, w)
+    gathered = _all_gather_rows(packed, world, group)
+    greedy = (temperature.to(torch.float32) == 0).repeat_interleave(w)
+    return merge_row_partials(gathered, greedy).view(r, w)
+
+
+def soft_embedding_sharded(
+    local_logits: torch.Tensor,
+    temperature: torch.Tensor,
+    global_lse: torch.Tensor,
+    local_embed_weight: torch.Tensor,
+    normalizer: torch.Tensor | float,
+    *,
+    keep: torch.Tensor | None = None,
+    group=None,
+    softcap: float | None = None,
+    threshold: torch.Tensor | None = None,
+    allowed: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """``normalizer * softmax(z) @ E`` over the full vocabulary, from this rank's slice.
+
+    ``local_embed_weight`` ``[V_local, H]`` holds the embedding rows of the same slice as
+    ``local_logits`` ``[R, W, V_local]``; ``global_lse`` ``[R, W]`` fp32 is
+    ``row_stats_sharded(...).lse``. Each rank computes its slice's share (already scaled by
+    the normalizer) and one fp32 all_reduce(sum) adds them. Returns ``[R, W, H]`` fp32,
+    identical on every rank, zero where ``keep`` is False.
+    """
+    _reject_constraints(threshold=threshold, allowed=allowed)
+    ops.check_tensor("local_logits", local_logits, dim=3, dtypes=ops.FLOAT_DTYPES)
+    ops.check_tensor("local_embed_weight", local_embed_weight, dim=2, dtypes=ops.FLOAT_DTYPES,
+                     device=local_logits.device)
+    r, w, v_local = local_logits.shape
+    if local_embed_weight.shape[0] != v_local:
+        raise ValueError(
+            f"local_embed_weight has {local_embed_weight.shape[0]} rows but local_logits hold "
+            f"{v_local} vocabulary columns; both must be this rank's slice"
+        )
+    hidden = local_embed_weight.shape[1]
+    world = world_size_of(group)
+    if v_local == 0:
+        ops.check_tensor("global_lse", global_lse, dtypes=(torch.float32,),
+                         device=local_logits.device, shape=(r, w))
+        if out is None:
+            out = torch.zeros(r, w, hidden, dtype=torch.float32, device=local_logits.device)
+        else:
+            ops.check_tensor("out", out, dtypes=(torch.float32,), device=local_logits.device,
+                             shape=(r, w, hidden))
+            out.zero_()
+    else:
+        # The normalizer is applied once here, to each rank's share; the sum below is linear,
+        # so the reduced result carries it exactly once.
+        out = ops.soft_embedding(local_logits, temperature, global_lse, local_embed_weight,
+                                 normalizer, keep=keep, vocab_start=0, softcap=softcap,
+                                 out=out, backend=backend)
+    if world > 1 and out.numel():
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+    return out

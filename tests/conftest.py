@@ -1,0 +1,28 @@
+"""Shared fixtures: deterministic seeds, GPU/vLLM skips, small random inputs."""
+
+import os
+
+import pytest
+import torch
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(1234)
+    yield
+
+
+@pytest.fixture
+def interpret():
+    """Kernels on CPU tensors run through the Triton interpreter (set before launch)."""
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on the CPU needs TRITON_INTERPRET=1")
+    return "cuda" if torch.cuda.is_available() else "cpu"
