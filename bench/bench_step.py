@@ -129,6 +129,8 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=10 if cuda else 3)
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     p.add_argument("--no-check", action="store_true", help="skip the agreement check")
+    p.add_argument("--hidden-requests", type=int, default=128 if cuda else 8,
+                   help="also time the hidden-state input path at this many requests (0: skip)")
     p.add_argument("--out", default=None, help="JSON results (default bench/results/step-<device>.json)")
     p.add_argument("--plot", default=None, help="PNG plot (default next to --out)")
     args = p.parse_args(argv)
@@ -179,6 +181,10 @@ def main(argv=None) -> int:
         if cuda:
             torch.cuda.empty_cache()
 
+    hidden_row = None
+    if args.hidden_requests:
+        hidden_row = bench_hidden_input(args, embed, backend, device, cuda, warmup)
+
     meta = {
         "command": "python bench/bench_step.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "device": name, "date": datetime.date.today().isoformat(), "backend": backend,
@@ -192,10 +198,31 @@ def main(argv=None) -> int:
         pass
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     with open(out_path, "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=2)
+        json.dump({"meta": meta, "results": results, "hidden_input": hidden_row}, f, indent=2)
     plot(results, plot_path, meta)
     print_table(results, meta, out_path, plot_path)
+    if hidden_row:
+        mib = hidden_row["transient_bytes"]
+        print(f"hidden-state input, {hidden_row['requests']} requests: {hidden_row['ms']:.2f} ms, "
+              f"tile {hidden_row['tile_requests']} requests, transient "
+              f"{'n/a' if mib is None else f'{mib / GIB:.2f} GiB'} (full-batch fp32 logits would be "
+              f"{hidden_row['full_logits_bytes'] / GIB:.1f} GiB)")
     return 0
+
+
+def bench_hidden_input(args, embed, backend, device, cuda, warmup):
+    """Hidden states in, logits projected one tile at a time: time and transient memory."""
+    n = args.hidden_requests
+    rows = n * args.canvas
+    gen = torch.Generator(device=device).manual_seed(1)
+    hidden = torch.randn(rows, args.hidden, device=device, generator=gen).to(embed.dtype)
+    sampler = make_sampler(n, args.canvas, args.vocab, args.hidden, embed, backend, device)
+    slots = list(range(n))
+    run = lambda: sampler.step(None, slots, hidden_states=hidden, output_weight=embed)  # noqa: E731
+    ms = device_timer(run, 1, max(2, args.reps // 3), cuda)
+    transient = transient_bytes(run, cuda)
+    return {"requests": n, "rows": rows, "ms": ms, "transient_bytes": transient,
+            "tile_requests": sampler.last_tile_requests, "full_logits_bytes": rows * args.vocab * 4}
 
 
 def print_table(results, meta, out_path, plot_path):

@@ -13,13 +13,16 @@ Transient bytes per request (the budget formula, ``bytes_per_request``):
 * PyTorch backend: the oracle works on fp32 chunks of rows; per row it holds about
   ``TORCH_BYTES_PER_ENTRY`` = 48 bytes per vocabulary entry (logits, z, exp, Gumbel bits as
   int64 intermediates, masks), so its chunk of rows is sized from the budget instead.
-* Hidden-state input: the logits of a tile, ``W x V x 4`` bytes per request (fp32 logits
-  from the bf16 projection), plus the above.
+* Hidden-state input: the logits of a tile, ``W x V x itemsize`` bytes per request (the
+  projection stays in the model dtype; the kernels upcast and softcap in registers), plus
+  the above. Tiles of projected logits are further capped at ``hidden_tile_bytes`` (1 GiB):
+  larger tiles buy no speed once a tile fills the GPU.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -43,11 +46,9 @@ def memory_budget(device: torch.device, fraction: float) -> int:
     return DEFAULT_CPU_BUDGET
 
 
-def bytes_per_request(width: int, vocab: int, backend: str, hidden_input: bool) -> int:
-    per_row = STAT_BYTES
-    if hidden_input:
-        per_row += vocab * 4
-    return width * per_row
+def bytes_per_request(width: int, vocab: int, logits_itemsize: int = 0) -> int:
+    """Transient bytes one request adds to a tile (``logits_itemsize`` > 0: projected logits)."""
+    return width * (STAT_BYTES + vocab * logits_itemsize)
 
 
 def backend_functions(backend: str):
@@ -89,6 +90,7 @@ class DiffusionSampler:
         sc_reduce: Callable[[torch.Tensor], None] | None = None,
         memory_fraction: float = 0.5,
         budget_bytes: int | None = None,
+        hidden_tile_bytes: int = 1 << 30,
     ) -> None:
         if not isinstance(cfg, SamplerConfig):
             raise TypeError(f"cfg must be a SamplerConfig, got {type(cfg).__name__}")
@@ -109,6 +111,7 @@ class DiffusionSampler:
         self.sc_reduce = sc_reduce
         self.memory_fraction = memory_fraction
         self.budget_bytes = budget_bytes
+        self.hidden_tile_bytes = hidden_tile_bytes
         self.stats_fn, self.soft_fn, self.logprobs_fn = backend_functions(self.backend)
         self.pending_logprobs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.last_tile_requests = 0
@@ -123,12 +126,14 @@ class DiffusionSampler:
             self.state.check_slot(s)
         self.state.finish_prefill(list(slots))
 
-    def tile_requests(self, width: int, vocab: int, hidden_input: bool) -> int:
+    def tile_requests(self, width: int, vocab: int, logits_itemsize: int) -> int:
+        """Requests per tile: ``budget // bytes_per_request``, the budget re-read now."""
         budget = self.budget_bytes
         if budget is None:
             budget = memory_budget(self.state.device, self.memory_fraction)
-        per_req = bytes_per_request(width, vocab, self.backend, hidden_input)
-        return max(1, budget // per_req)
+        if logits_itemsize:
+            budget = min(budget, self.hidden_tile_bytes)
+        return max(1, budget // bytes_per_request(width, vocab, logits_itemsize))
 
     def _torch_chunk_rows(self, vocab: int) -> int:
         budget = self.budget_bytes or memory_budget(self.state.device, self.memory_fraction)
@@ -205,12 +210,13 @@ class DiffusionSampler:
             return StepOutput(empty.view(0, 0), empty.int(), empty.bool(), None)
 
         W = int(widths.max())
-        dev = state.device
         starts = np.concatenate(([0], np.cumsum(valid)[:-1])).astype(np.int64)
-        tile = n if (self.backend == "triton" and not hidden_input) else \
-            self.tile_requests(W, vocab, hidden_input)
-        if not hidden_input and self.backend != "triton":
-            tile = n  # the oracle bounds its memory per chunk of rows instead
+        if hidden_input:
+            tile = self.tile_requests(W, vocab, hidden_states.element_size())
+        else:
+            # Logits input: the kernels need O(1) bytes per row, and the oracle bounds its
+            # memory per chunk of rows (``_torch_chunk_rows``): one tile.
+            tile = n
         self.last_tile_requests = min(tile, n)
         stats_fn = self.stats_fn
         if self.backend == "torch":
@@ -225,33 +231,18 @@ class DiffusionSampler:
         for t0 in range(0, n, tile):
             t1 = min(t0 + tile, n)
             r0, r1 = int(starts[t0]), int(starts[t1 - 1] + valid[t1 - 1])
-            tile_slots = slots[t0:t1]
+            plan = self._plan_tile(slots[t0:t1], starts[t0:t1] - r0, valid[t0:t1], widths[t0:t1],
+                                   W, vocab, column_tokens)
             if hidden_input:
                 tile_logits = self._project(hidden_states[r0:r1], output_weight)
             else:
                 tile_logits = logits[r0:r1]
-            slots_t = torch.tensor(tile_slots, dtype=torch.int64).to(dev, non_blocking=True)
-            row_starts = torch.tensor(starts[t0:t1] - r0).to(dev, non_blocking=True)
-            valid_t = torch.tensor(valid[t0:t1]).to(dev, non_blocking=True)
-            width_t = torch.tensor(widths[t0:t1]).to(dev, non_blocking=True)
-            top_k, top_p = self._top_k_top_p(tile_slots, slots_t)
-            allowed = None if column_tokens is not None else state.allowed_mask(tile_slots, vocab)
-            out = decode_step(
-                state, tile_logits, slots_t, row_starts, valid_t, width_t, W,
-                confidence_threshold=self.cfg.confidence_threshold,
-                entropy_bound=self.cfg.entropy_bound,
-                temperature_of=self.temperature_of,
-                stats_fn=stats_fn, soft_fn=self.soft_fn,
-                embed_weight=self._embed_for(column_tokens), normalizer=self.normalizer,
-                vocab_size=state.vocab_size, softcap=self.cfg.softcap if hidden_input else None,
-                top_k=top_k, top_p=top_p, allowed=allowed, column_tokens=column_tokens,
-                vocab_start=self.vocab_start if column_tokens is None else 0,
-                sc_reduce=self.sc_reduce,
-            )
+            out = self._run_tile(plan, tile_logits, stats_fn, hidden_input, column_tokens)
             if logprobs or logprob_token_ids:
-                self._stash_logprobs(out, tile_slots, tile_logits, starts[t0:t1] - r0,
-                                     valid[t0:t1], top_k, top_p, allowed, logprobs or {},
-                                     logprob_token_ids or {}, hidden_input, column_tokens)
+                self._stash_logprobs(out, plan.slots, tile_logits, starts[t0:t1] - r0,
+                                     valid[t0:t1], plan.top_k, plan.top_p, plan.allowed,
+                                     logprobs or {}, logprob_token_ids or {}, hidden_input,
+                                     column_tokens)
             outputs.append(out)
         result = _concat(outputs)
         if self.pending_logprobs:
@@ -262,10 +253,60 @@ class DiffusionSampler:
         return result
 
     # ---------------------------------------------------------------- helpers
+    def graphable(self, slots: Sequence[int], valid_len: Sequence[int] | None = None):
+        """A step over fixed ``slots`` and logits shape with every host decision taken now.
+
+        Returns ``run(logits) -> StepOutput``. Calling it does no host work and no host
+        synchronisation (device index tensors, top-k/top-p and allowed masks are prepared
+        here), so it can be captured in a CUDA graph and replayed every step while the
+        batch keeps its shape. Logprobs are not part of the captured step.
+        """
+        state = self.state
+        slots = [int(s) for s in slots]
+        widths = state.canvas_width_np[slots].astype(np.int64)
+        valid = widths.copy() if valid_len is None else np.asarray(valid_len, dtype=np.int64)
+        starts = np.concatenate(([0], np.cumsum(valid)[:-1])).astype(np.int64)
+        plan = self._plan_tile(slots, starts, valid, widths, int(widths.max()), state.vocab_size, None)
+        stats_fn = self.stats_fn
+
+        def run(logits: torch.Tensor) -> StepOutput:
+            return self._run_tile(plan, logits, stats_fn, False, None)
+
+        return run
+
+    def _plan_tile(self, tile_slots, starts, valid, widths, W, vocab, column_tokens) -> "_TilePlan":
+        dev = self.state.device
+        slots_t = torch.tensor(tile_slots, dtype=torch.int64).to(dev, non_blocking=True)
+        top_k, top_p = self._top_k_top_p(tile_slots, slots_t)
+        return _TilePlan(
+            slots=list(tile_slots), slots_t=slots_t,
+            row_starts=torch.tensor(starts, dtype=torch.int64).to(dev, non_blocking=True),
+            valid=torch.tensor(valid, dtype=torch.int64).to(dev, non_blocking=True),
+            width=torch.tensor(widths, dtype=torch.int64).to(dev, non_blocking=True),
+            W=W, top_k=top_k, top_p=top_p,
+            allowed=None if column_tokens is not None else self.state.allowed_mask(tile_slots, vocab),
+        )
+
+    def _run_tile(self, plan: "_TilePlan", tile_logits, stats_fn, hidden_input, column_tokens):
+        return decode_step(
+            self.state, tile_logits, plan.slots_t, plan.row_starts, plan.valid, plan.width, plan.W,
+            confidence_threshold=self.cfg.confidence_threshold,
+            entropy_bound=self.cfg.entropy_bound,
+            temperature_of=self.temperature_of,
+            stats_fn=stats_fn, soft_fn=self.soft_fn,
+            embed_weight=self._embed_for(column_tokens), normalizer=self.normalizer,
+            vocab_size=self.state.vocab_size,
+            softcap=self.cfg.softcap if hidden_input else None,
+            top_k=plan.top_k, top_p=plan.top_p, allowed=plan.allowed,
+            column_tokens=column_tokens,
+            vocab_start=self.vocab_start if column_tokens is None else 0,
+            sc_reduce=self.sc_reduce,
+        )
+
     def _project(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """Logits of one tile: ``hidden @ weight.T`` in the model dtype, fp32 out."""
-        logits = hidden @ weight.t()
-        return logits.float() if logits.dtype != torch.float32 else logits
+        """Logits of one tile, ``hidden @ weight.T`` in the model dtype (as vLLM's lm_head);
+        the kernels upcast to fp32 and apply the softcap in registers."""
+        return hidden @ weight.t()
 
     def _embed_for(self, column_tokens: torch.Tensor | None) -> torch.Tensor:
         if column_tokens is None:
@@ -311,6 +352,21 @@ class DiffusionSampler:
             if column_tokens is not None:
                 res = (column_tokens[res[0]],) + tuple(res[1:])
             self.pending_logprobs[s] = res
+
+
+@dataclass
+class _TilePlan:
+    """Host decisions and device index tensors of one tile of decoding requests."""
+
+    slots: list[int]
+    slots_t: torch.Tensor
+    row_starts: torch.Tensor
+    valid: torch.Tensor
+    width: torch.Tensor
+    W: int
+    top_k: torch.Tensor | None
+    top_p: torch.Tensor | None
+    allowed: torch.Tensor | None
 
 
 def _concat(outputs: list[StepOutput]) -> StepOutput:
