@@ -1,0 +1,116 @@
+"""What every row kernel does to one logit before it counts: softcap, mask, scale, and the end formulas.
+
+The semantics are those of ``dgemma_sampler.reference`` (its module docstring is the spec);
+these helpers are the Triton spelling shared by ``row_stats``, ``topk_topp`` and ``logprobs``
+so that the three kernels mask and scale a logit the same way.
+
+Streaming statistics are kept in base 2 so that each entry costs one ``exp2`` (one MUFU op):
+with ``m`` the row maximum of ``z`` and ``u = (z - m) * log2(e)``::
+
+    Z = sum 2^u = 1 + R       (R: every kept entry except one arg-max entry)
+    A2 = sum u 2^u            (A = A2 * ln 2 = sum (z - m) e^(z - m))
+    lse = m + log1p(R)        entropy = log1p(R) - A / Z
+
+Keeping the arg-max entry's exact 1 out of ``R`` matters for peaked rows: ``Z = 1 + 1e-9``
+rounds to 1 in fp32, while ``R`` keeps its relative precision, so ``log1p(R)`` and a tiny
+entropy stay accurate to fp32 relative precision instead of fp32 absolute precision.
+"""
+
+import triton
+import triton.language as tl
+
+FLT_MAX = tl.constexpr(3.4028234663852886e38)
+NEG_INF = tl.constexpr(float("-inf"))
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+# exp2 of anything below this is 0 in fp32; clamping u here turns -inf (masked) into an
+# exact 0 weight with u * 2^u = 0 instead of -inf * 0 = NaN.
+U_FLOOR = tl.constexpr(-160.0)
+# Larger than every token index (an int32 "no index" for lowest-index reductions).
+NO_INDEX = tl.constexpr(2**31 - 1)
+
+
+@triton.jit
+def tanh(y):
+    """fp32 tanh without libdevice (the interpreter has none), within a few ulp of torch."""
+    a = tl.abs(y)
+    # |y| >= 0.3125: 1 - 2 / (e^(2|y|) + 1); e^(2|y|) = inf gives exactly 1.
+    t = tl.exp2(a * (2.0 * LOG2E))
+    large = 1.0 - 2.0 / (t + 1.0)
+    # |y| < 0.3125: odd Taylor series; the first dropped term is below 1e-9 relative.
+    a2 = a * a
+    poly = -0.33333333333333333 + a2 * (0.13333333333333333 + a2 * (
+        -0.053968253968253971 + a2 * (0.021869488536155203 + a2 * -0.0088632355299021973)))
+    small = a + a * a2 * poly
+    r = tl.where(a < 0.3125, small, large)
+    return tl.where(y < 0, -r, r)
+
+
+@triton.jit
+def softcapped(x, SOFTCAP: tl.constexpr):
+    """``c * tanh(x / c)`` in fp32 when ``SOFTCAP`` (a constexpr float) is > 0, else ``x``."""
+    if SOFTCAP > 0:
+        x = tanh(tl.math.div_rn(x, SOFTCAP)) * SOFTCAP
+    return x
+
+
+@triton.jit
+def scaled(x, inv_t):
+    """``z = min(x * inv_t, FLT_MAX)``: +inf logits become the largest finite value.
+
+    NaN stays NaN here (callers mask it); the compare-and-select keeps that true on the
+    GPU, where ``min`` would turn NaN into FLT_MAX.
+    """
+    z = x * inv_t
+    return tl.where(z > FLT_MAX, FLT_MAX, z)
+
+
+@triton.jit
+def log1p(r):
+    """``log(1 + r)`` for r >= 0, accurate for tiny r (Goldberg's trick, no libdevice)."""
+    u = 1.0 + r
+    return tl.where(u == 1.0, r, tl.log(u) * (r / (u - 1.0)))
+
+
+@triton.jit
+def finish_stats(m, rest, a2):
+    """(entropy, lse) of a row from its max ``m``, ``R`` = ``rest`` and ``A2`` = ``a2``.
+
+    A row with no kept entry (``m == -inf``) gets entropy 0 and lse -inf.
+    """
+    kept = m > NEG_INF
+    l1p = log1p(rest)
+    entropy = tl.where(kept, l1p - (a2 * LN2) / (1.0 + rest), 0.0)
+    lse = tl.where(kept, m + l1p, NEG_INF)
+    return entropy, lse
+
+
+@triton.jit
+def ordered_key(x):
+    """int32 key with the order of fp32 ``x`` (for sorting values with their ids)."""
+    b = x.to(tl.int32, bitcast=True)
+    return b ^ ((b >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def from_ordered_key(k):
+    """Inverse of ``ordered_key``."""
+    b = k ^ ((k >> 31) & 0x7FFFFFFF)
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def pack_value_id(x, idx):
+    """int64 that sorts descending by value, then ascending by id (lowest id first on ties)."""
+    low32 = tl.full((), 0xFFFFFFFF, tl.int64)
+    hi = ordered_key(x).to(tl.int64) << 32
+    return hi | (low32 - idx.to(tl.int64))
+
+
+@triton.jit
+def unpack_value_id(packed):
+    """(value fp32, id int32) from ``pack_value_id``."""
+    low32 = tl.full((), 0xFFFFFFFF, tl.int64)
+    value = from_ordered_key((packed >> 32).to(tl.int32))
+    idx = (low32 - (packed & low32)).to(tl.int32)
+    return value, idx

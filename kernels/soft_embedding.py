@@ -1,0 +1,611 @@
+"""Self-conditioning GEMM: ``normalizer * softmax(z) @ E`` with the softmax recomputed in the prologue.
+
+Math
+----
+For a logits row ``x`` (columns ``[vocab_start, vocab_start + V_local)`` of a row of ``V``), its
+request's inverse temperature ``inv_t`` and the full-vocabulary ``lse`` from the row-statistics
+pass, the probability of token ``v`` is
+
+    p[v] = exp(z[v] - lse),   z[v] = min(softcap(x[v]) * inv_t, FLT_MAX),
+
+exactly 0 where the entry is masked (NaN, ``-inf``, ``x < threshold``, not ``allowed``) and for rows
+whose ``lse`` is not finite; and the soft embedding of the row is
+
+    out[n, :] = normalizer * sum_v p[n, v] * E[v - vocab_start, :]        (fp32).
+
+Because ``lse`` is known, ``p`` is a plain elementwise function of the logits: no online rescaling,
+every N-tile sees the same ``p`` and partial sums over vocabulary ranges simply add. So this is an
+ordinary GEMM ``P @ E`` whose A operand is computed, not loaded: each K step loads a logits tile
+``[BLOCK_M, BLOCK_K]`` (fp32 / bf16 / fp16), turns it into probabilities in registers, casts them to
+E's dtype and feeds ``tl.dot`` with an E tile ``[BLOCK_K, BLOCK_N]``. ``P`` never touches memory.
+(The same shape as flash attention's ``P @ V``.)
+
+Cost model (one H200, rows R = 256 * requests, V = 2^18, H = 2816, fp32 logits)
+---------------------------------------------------------------------------
+* FLOPs ``2 R V H``: 12.1 TFLOP at 32 requests, ~18 ms at cuBLAS's 672 TFLOP/s -> compute-bound.
+* One ``exp`` per A element per N-tile: ``2 * BLOCK_N`` MMA flops per exp. With BLOCK_N = 256 the
+  exps are ~half the MMA time at peak; they overlap the asynchronous wgmma of the previous step.
+* Bytes from L2 per MMA flop: ``4/(2 BLOCK_N)`` (fp32 logits) + ``2/(2 BLOCK_M)`` (bf16 E). Hence
+  BLOCK_N = 256, BLOCK_M = 128: the widest tile a 2-warpgroup CTA holds in registers.
+* HBM: each logits tile is read by the ``H / BLOCK_N`` = 11 N-tiles of its M-tile and each E tile by
+  every M-tile. Programs are ordered N-tile fastest, so the 132 programs of a wave are 12 M-tiles x 11
+  N-tiles walking K together: logits come from HBM once, E once per wave, the rest from L2.
+
+Scheduling: data-parallel waves + split-K tail
+----------------------------------------------
+With ``T`` output tiles and ``S_m`` SMs, the first ``floor(T / S_m) * S_m`` tiles run whole (full
+waves). The remaining ``L`` tiles (all of them when ``T < S_m``, e.g. 22 tiles at one request) are
+split along the vocabulary into ``S`` contiguous ranges so that ``L * S`` programs fill whole waves.
+Piece 0 of a split tile writes its fp32 partial into ``out``, pieces 1..S-1 into a scratch buffer of
+``L * (S - 1)`` tiles; a second small kernel adds them in piece order (deterministic, no atomics),
+multiplies by the normalizer and writes ``out``. At (1, 4, 16, 32) requests with 128 x 256 tiles on
+132 SMs: S = (6, 3, 3, 3), scratch (14.4, 23.1, 23.1, 11.5) MB, capped at ``MAX_SCRATCH_BYTES``.
+
+Contract with the row-statistics pass: ``lse`` and ``threshold`` come from it, and ``p`` is only
+consistent with them if both kernels compute the same fp32 ``z``. Without a softcap that holds by
+construction (one fp32 multiply by the same ``inv_t``). With a softcap it needs the same tanh code:
+at T = 0 (inv_t = 1e10) a 1-ulp difference in softcap(x) moves z by thousands of nats, and a token
+sitting exactly at a top-k/top-p threshold can flip sides. Hence ``logit_row.softcapped``, the
+helper every row kernel shares.
+
+Rows with ``keep`` False: the kept rows are compacted to the front of a row order on the device
+(a stable argsort, no host sync) and their count stays on the device. M-tiles past the count skip
+the K loop and store zeros; within the last live M-tile, dropped rows are masked. Pass ``num_kept``
+(a host int, e.g. known from the scheduler) to size the schedule to the kept rows only.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.errors import OutOfResources
+
+from dgemma_sampler import reference
+from dgemma_sampler.ops import FLOAT_DTYPES, check_tensor
+
+from .logit_row import softcapped
+
+FLT_MAX = tl.constexpr(3.4028234663852886e38)
+MAX_SCRATCH_BYTES = 32 * 2**20  # split-K partials beyond the output: at most 32 MiB
+MIN_K_BLOCKS_PER_PIECE = 8  # a split-K piece shorter than this is all prologue and epilogue
+MAX_SPLIT = 16
+PIECE_OVERHEAD = 0.02  # cost of one extra split-K wave (fill, drain, stage 2), in whole-tile units
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _rounded_as_fp32(p, dtype: tl.constexpr):
+    """Interpreter only: ``p`` rounded to ``dtype`` as the GPU rounds (nearest even), back in fp32.
+    The interpreter's own fp32 -> bf16 cast truncates, which would bias every probability down."""
+    if dtype == tl.bfloat16:
+        bits = p.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return p.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _tile_of_program(pid, n_tiles_n, dp_head, tail_tiles, split):
+    """Program id -> (M-tile, N-tile, index among the tail tiles, split piece, pieces of the tile).
+
+    Programs [0, dp_head) take tiles [0, dp_head) whole; the next tail_tiles * split programs are
+    the pieces of tiles [dp_head, dp_head + tail_tiles), piece-major so that the programs running
+    together share a vocabulary range; the rest take the remaining tiles whole.
+    """
+    tail_pieces = tail_tiles * split
+    q = pid - dp_head
+    in_tail = (q >= 0) & (q < tail_pieces)
+    safe_tail = tl.maximum(tail_tiles, 1)
+    tile = tl.where(in_tail, dp_head + q % safe_tail, tl.where(q < 0, pid, pid - tail_pieces + tail_tiles))
+    piece = tl.where(in_tail, q // safe_tail, 0)
+    pieces = tl.where(in_tail, split, 1)
+    return tile // n_tiles_n, tile % n_tiles_n, tile - dp_head, piece, pieces
+
+
+@triton.jit
+def _rows(first, n_rows, row_order_ptr, kept_count_ptr, HAS_KEEP: tl.constexpr, ROWS: tl.constexpr):
+    """Rows at positions ``[first, first + ROWS)`` of the row order: ``row`` indices (int64),
+    ``in_range`` (a row to write) and ``live`` (a kept row to compute). With ``keep`` the order
+    is the compacted one (kept rows first) and only the first ``kept_count`` positions are live."""
+    pos = first + tl.arange(0, ROWS)
+    in_range = pos < n_rows
+    if HAS_KEEP:
+        count = tl.load(kept_count_ptr)
+        row = tl.load(row_order_ptr + pos, mask=in_range, other=0).to(tl.int64)
+    else:
+        count = n_rows
+        row = pos.to(tl.int64)
+    return row, in_range, pos < count, first < count
+
+
+@triton.jit
+def _out_rows(row, in_range, out_index_ptr, HAS_OUT_INDEX: tl.constexpr):
+    """Output row of each logits row: ``out_index[row]`` (a slot-indexed state buffer) or itself."""
+    if HAS_OUT_INDEX:
+        return tl.load(out_index_ptr + row, mask=in_range, other=0).to(tl.int64)
+    return row
+
+
+@triton.jit
+def _probabilities(x, inv_t, lse, threshold, allowed, SOFTCAP: tl.constexpr,
+                   HAS_THRESHOLD: tl.constexpr, HAS_ALLOWED: tl.constexpr):
+    """``exp(z - lse)`` of a logits tile, exactly 0 where masked.
+
+    Masking costs almost nothing: NaN logits (and the NaN fill of columns past the vocabulary)
+    stay NaN through ``minimum(.., propagate_nan=ALL)``, ``-inf`` logits and rows that are not
+    computed (``lse`` set to +inf) give ``-inf``; ``maximum(d, -inf)`` (maxnum: NaN loses) turns
+    NaN into ``-inf``, and ``exp(-inf)`` is exactly 0. Only threshold / allowed need a select.
+    ``z`` is bitwise ``logit_row.scaled`` (one ``min.NaN`` instead of a compare and a select).
+    """
+    x = softcapped(x.to(tl.float32), SOFTCAP)
+    z = tl.minimum(x * inv_t[:, None], FLT_MAX, propagate_nan=tl.PropagateNan.ALL)
+    d = z - lse[:, None]
+    if HAS_THRESHOLD:
+        d = tl.where(x >= threshold[:, None], d, float("-inf"))
+    if HAS_ALLOWED:
+        d = tl.where(allowed, d, float("-inf"))
+    return tl.exp(tl.maximum(d, float("-inf")))
+
+
+@triton.jit
+def soft_embedding_kernel(
+    # pointers
+    logits_ptr, row_request_ptr, inv_t_ptr, lse_ptr, threshold_ptr, allowed_ptr,
+    row_order_ptr, kept_count_ptr, embed_ptr, norm_ptr, out_ptr, out_index_ptr, scratch_ptr,
+    # sizes
+    n_rows, v_local, hidden, vocab_start,
+    # strides (elements between consecutive rows; the last dimension of every tensor is contiguous)
+    stride_logits, stride_allowed, stride_embed, stride_out,
+    # scalars
+    norm_value,
+    # schedule (see _tile_of_program)
+    n_tiles_n, dp_head, tail_tiles, split,
+    # meta-parameters
+    HAS_KEEP: tl.constexpr, HAS_THRESHOLD: tl.constexpr, HAS_ALLOWED: tl.constexpr,
+    HAS_OUT_INDEX: tl.constexpr,
+    SOFTCAP: tl.constexpr, NORM_IS_TENSOR: tl.constexpr, INTERPRET: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # -- program -> output tile and vocabulary range ------------------------------------------
+    m_tile, n_tile, tail_idx, piece, pieces = _tile_of_program(
+        tl.program_id(0), n_tiles_n, dp_head, tail_tiles, split)
+    row, in_range, live, tile_live = _rows(
+        m_tile * BLOCK_M, n_rows, row_order_ptr, kept_count_ptr, HAS_KEEP, BLOCK_M)
+    k_blocks = tl.cdiv(v_local, BLOCK_K)
+    kb_begin = piece * k_blocks // pieces
+    kb_end = tl.where(tile_live, (piece + 1) * k_blocks // pieces, kb_begin)  # dead tile: no K loop
+
+    # -- per-row constants of the prologue ----------------------------------------------------
+    request = tl.load(row_request_ptr + row, mask=live, other=0).to(tl.int64)
+    inv_t = tl.load(inv_t_ptr + request, mask=live, other=0.0)
+    lse = tl.load(lse_ptr + row, mask=live, other=0.0)
+    # Rows not computed (dropped, past the kept count, or with a non-finite lse) get lse = +inf,
+    # hence p = exp(-inf) = 0; their logits are not even loaded (masked rows read as 0).
+    lse = tl.where(live & (tl.abs(lse) < float("inf")), lse, float("inf"))
+    threshold = None
+    if HAS_THRESHOLD:
+        threshold = tl.load(threshold_ptr + row, mask=live, other=0.0)
+
+    cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden
+    offs_k = kb_begin * BLOCK_K + tl.arange(0, BLOCK_K)
+    x_ptrs = logits_ptr + row[:, None] * stride_logits + (vocab_start + offs_k)[None, :]
+    e_ptrs = embed_ptr + offs_k.to(tl.int64)[:, None] * stride_embed + cols[None, :]
+    if HAS_ALLOWED:
+        a_ptrs = allowed_ptr + request[:, None] * stride_allowed + (vocab_start + offs_k)[None, :]
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(kb_begin, kb_end):
+        # Fast path (EVEN_K, EVEN_N): the only mask is per row, constant along K, so loads stay
+        # 16-byte vectors with no fill value to patch in afterwards.
+        allowed = None
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=live[:, None])
+            if EVEN_N:
+                e = tl.load(e_ptrs)
+            else:
+                e = tl.load(e_ptrs, mask=col_ok[None, :], other=0.0)
+            if HAS_ALLOWED:
+                allowed = tl.load(a_ptrs, mask=live[:, None], other=0) != 0
+        else:
+            k_ok = offs_k < v_local
+            x = tl.load(x_ptrs, mask=live[:, None] & k_ok[None, :], other=float("nan"))
+            e = tl.load(e_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if HAS_ALLOWED:
+                allowed = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0) != 0
+        p = _probabilities(x, inv_t, lse, threshold, allowed, SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED)
+        if INTERPRET:  # the interpreter's bf16/fp16 tl.dot is wrong: multiply the rounded values in fp32
+            acc = tl.dot(_rounded_as_fp32(p, e.dtype), e.to(tl.float32), acc)
+        else:
+            acc = tl.dot(p.to(e.dtype), e, acc, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K
+        e_ptrs += BLOCK_K * stride_embed
+        offs_k += BLOCK_K
+        if HAS_ALLOWED:
+            a_ptrs += BLOCK_K
+
+    # -- epilogue ------------------------------------------------------------------------------
+    if NORM_IS_TENSOR:
+        norm = tl.load(norm_ptr).to(tl.float32)
+    else:
+        norm = norm_value
+    if piece > 0:  # split-K piece 1..S-1: raw fp32 partial into its scratch tile
+        slot = ((piece - 1) * tail_tiles + tail_idx).to(tl.int64)
+        offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        tl.store(scratch_ptr + slot * (BLOCK_M * BLOCK_N) + offs, acc)
+    else:  # a whole tile (scaled) or piece 0 of a split tile (raw partial), into out
+        # Row indices again rather than kept live in registers across the K loop.
+        out_row, out_in_range, out_live, _ = _rows(
+            m_tile * BLOCK_M, n_rows, row_order_ptr, kept_count_ptr, HAS_KEEP, BLOCK_M)
+        scale = tl.where(pieces > 1, 1.0, norm)
+        value = tl.where(out_live[:, None], acc * scale, 0.0)
+        out_row = _out_rows(out_row, out_in_range, out_index_ptr, HAS_OUT_INDEX)
+        out_ptrs = out_ptr + out_row[:, None] * stride_out + cols[None, :]
+        tl.store(out_ptrs, value, mask=out_in_range[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def split_sum_kernel(
+    out_ptr, out_index_ptr, scratch_ptr, row_order_ptr, kept_count_ptr, norm_ptr,
+    n_rows, hidden, stride_out, norm_value,
+    n_tiles_n, dp_head, tail_tiles, split,
+    HAS_KEEP: tl.constexpr, NORM_IS_TENSOR: tl.constexpr, HAS_OUT_INDEX: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB_M: tl.constexpr,
+):
+    """Second stage of split-K: out = normalizer * (piece 0 + piece 1 + ... + piece S-1), in that
+    order, for the rows ``[SUB_M * program_id(1), +SUB_M)`` of tail tile ``program_id(0)``."""
+    tail_idx = tl.program_id(0)
+    sub = tl.program_id(1)
+    tile = dp_head + tail_idx
+    m_tile = tile // n_tiles_n
+    n_tile = tile % n_tiles_n
+    row, in_range, live, _ = _rows(
+        m_tile * BLOCK_M + sub * SUB_M, n_rows, row_order_ptr, kept_count_ptr, HAS_KEEP, SUB_M)
+    cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = in_range[:, None] & (cols < hidden)[None, :]
+    out_row = _out_rows(row, in_range, out_index_ptr, HAS_OUT_INDEX)
+    out_ptrs = out_ptr + out_row[:, None] * stride_out + cols[None, :]
+    acc = tl.load(out_ptrs, mask=mask, other=0.0)
+    offs = (sub * SUB_M + tl.arange(0, SUB_M))[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    for piece in range(1, split):
+        slot = ((piece - 1) * tail_tiles + tail_idx).to(tl.int64)
+        acc += tl.load(scratch_ptr + slot * (BLOCK_M * BLOCK_N) + offs)
+    if NORM_IS_TENSOR:
+        norm = tl.load(norm_ptr).to(tl.float32)
+    else:
+        norm = norm_value
+    tl.store(out_ptrs, tl.where(live[:, None], acc * norm, 0.0), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiles, schedule and tuning
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# Hopper candidates, timed once per shape key. 128 x 256 output tiles: 2 warpgroups of 64 x 256,
+# accumulator 128 registers per thread; two K depths (BK = 32 keeps the keep/mask variants out of
+# spills); 128 x 128 as the low-register fallback. Filtered by shared memory (fp32 E is 2x).
+GPU_CONFIGS = (
+    TileConfig(128, 256, 64, 8, 3),
+    TileConfig(128, 256, 32, 8, 4),
+    TileConfig(128, 128, 64, 8, 4),
+    TileConfig(128, 128, 32, 8, 4),
+)
+SHARED_MEMORY_BYTES = 227 * 1024  # Hopper's per-block limit
+# The interpreter: small tiles so that tests cover several M/N tiles, split-K and masking, with
+# a deep K block because the interpreter's cost is per operation, not per element.
+INTERPRETER_CONFIG = TileConfig(32, 64, 128, 4, 1)
+INTERPRETER_NUM_SMS = 4
+
+
+def shared_memory_bytes(cfg: TileConfig, logits_dtype: torch.dtype, embed_dtype: torch.dtype,
+                        has_allowed: bool) -> int:
+    """Pipeline buffers: num_stages x (logits tile + allowed tile + E tile). Within a few KiB of
+    what Triton 3.6/3.9 allocate for sm_90 near the limit (fp32 E); launches that still do not fit
+    raise OutOfResources and the tuner skips them."""
+    a_bytes = cfg.block_m * cfg.block_k * (logits_dtype.itemsize + int(has_allowed))
+    return cfg.num_stages * (a_bytes + cfg.block_k * cfg.block_n * embed_dtype.itemsize)
+
+
+def gpu_candidates(logits_dtype, embed_dtype, has_allowed: bool) -> list[TileConfig]:
+    return [cfg for cfg in GPU_CONFIGS
+            if shared_memory_bytes(cfg, logits_dtype, embed_dtype, has_allowed) <= SHARED_MEMORY_BYTES]
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """Program layout: ``dp_head`` whole tiles, then ``tail_tiles`` tiles in ``split`` pieces each,
+    then ``extra_tiles`` whole tiles of rows past ``num_kept`` (they only store zeros)."""
+
+    n_tiles_n: int
+    dp_head: int
+    tail_tiles: int
+    split: int
+    extra_tiles: int
+    block_m: int
+    block_n: int
+
+    @property
+    def programs(self) -> int:
+        return self.dp_head + self.tail_tiles * self.split + self.extra_tiles
+
+    @property
+    def scratch_elems(self) -> int:
+        return self.tail_tiles * (self.split - 1) * self.block_m * self.block_n
+
+
+def plan_split(rows: int, planned_rows: int, hidden: int, v_local: int, cfg: TileConfig,
+               num_sms: int, max_scratch_bytes: int = MAX_SCRATCH_BYTES,
+               min_k_blocks: int = MIN_K_BLOCKS_PER_PIECE) -> SplitPlan:
+    """Whole tiles in full waves, the remainder split along the vocabulary to fill whole waves.
+
+    Cost of a split S for the L tail tiles, in units of one whole tile's time:
+    ceil(L * S / num_sms) / S (+ PIECE_OVERHEAD per extra wave); the smallest S among the cheapest
+    wins. S is bounded by the scratch cap and by ``min_k_blocks`` per piece.
+    """
+    n_tiles_n = triton.cdiv(hidden, cfg.block_n)
+    planned = triton.cdiv(planned_rows, cfg.block_m) * n_tiles_n
+    total = triton.cdiv(rows, cfg.block_m) * n_tiles_n
+    dp_head = planned // num_sms * num_sms
+    tail = planned - dp_head
+    k_blocks = triton.cdiv(v_local, cfg.block_k)
+    tile_bytes = cfg.block_m * cfg.block_n * 4
+    best_split, best_cost = 1, float(math.ceil(tail / num_sms))
+    for split in range(2, MAX_SPLIT + 1):
+        if k_blocks // split < min_k_blocks or (split - 1) * tail * tile_bytes > max_scratch_bytes:
+            break
+        waves = math.ceil(tail * split / num_sms)
+        cost = waves / split + PIECE_OVERHEAD * waves
+        if cost < best_cost - 1e-9:
+            best_split, best_cost = split, cost
+    if best_split == 1:
+        dp_head, tail = planned, 0
+    return SplitPlan(n_tiles_n, dp_head, tail, best_split, total - planned, cfg.block_m, cfg.block_n)
+
+
+_NUM_SMS: dict[int, int] = {}
+_TUNED: dict[tuple, TileConfig] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return INTERPRETER_NUM_SMS
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _NUM_SMS:
+        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _NUM_SMS[index]
+
+
+def _time_ms(fn, reps: int = 3) -> float:
+    """Median of a few CUDA-event timings after one warm-up (which also compiles)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def _pick_config(key: tuple, candidates: list[TileConfig], launch) -> TileConfig:
+    """The fastest candidate for this shape key, timed once on the real inputs (the kernel is a
+    pure function of its inputs, so timing runs only rewrite ``out``). Under CUDA-graph capture,
+    or with DGEMMA_SOFT_EMBEDDING_TUNE=0, the first candidate is used (and not remembered)."""
+    if key in _TUNED:
+        return _TUNED[key]
+    if torch.cuda.is_current_stream_capturing() or os.environ.get("DGEMMA_SOFT_EMBEDDING_TUNE") == "0":
+        return candidates[0]
+    timings = {}
+    for cfg in candidates:
+        try:
+            timings[cfg] = _time_ms(lambda cfg=cfg: launch(cfg))
+        except OutOfResources:
+            continue  # not this tile on this device
+    if not timings:
+        raise RuntimeError(f"no soft-embedding tile config fits this device for {key}")
+    _TUNED[key] = min(timings, key=timings.get)
+    return _TUNED[key]
+
+
+def tuning_key(planned_rows: int, hidden: int, v_local: int, logits_dtype, embed_dtype,
+               masks: tuple) -> tuple:
+    """Rows bucketed to a power of two (at least 256, one canvas) so a new batch size rarely retunes."""
+    rows_bucket = max(256, triton.next_power_of_2(max(planned_rows, 1)))
+    v_bucket = triton.next_power_of_2(max(v_local, 1))
+    return (rows_bucket, hidden, v_bucket, logits_dtype, embed_dtype) + masks
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch wrapper
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_inputs(logits, row_request, temperature, lse, embed_weight, normalizer, keep,
+                  threshold, allowed, vocab_start, softcap, out, num_kept) -> None:
+    check_tensor("logits", logits, dim=2, dtypes=FLOAT_DTYPES)
+    dev = logits.device
+    if dev.type != "cuda" and not interpreting():
+        raise ValueError(
+            "the Triton soft embedding needs CUDA tensors, or TRITON_INTERPRET=1 to run through "
+            f"the interpreter on the CPU; got tensors on {dev}")
+    n_rows, vocab = logits.shape
+    if n_rows and vocab and logits.stride(1) != 1:
+        raise ValueError("logits must be contiguous in the vocabulary dimension (stride(1) == 1)")
+    check_tensor("row_request", row_request, dim=1, dtypes=(torch.int32, torch.int64), device=dev,
+                 shape=(n_rows,))
+    check_tensor("temperature", temperature, dim=1, dtypes=FLOAT_DTYPES, device=dev)
+    check_tensor("lse", lse, dtypes=(torch.float32,), device=dev, shape=(n_rows,))
+    check_tensor("embed_weight", embed_weight, dim=2, dtypes=FLOAT_DTYPES, device=dev)
+    v_local, hidden = embed_weight.shape
+    if v_local and hidden and embed_weight.stride(1) != 1:
+        raise ValueError("embed_weight must be contiguous in the hidden dimension (stride(1) == 1)")
+    if isinstance(vocab_start, bool) or not isinstance(vocab_start, int):
+        raise TypeError(f"vocab_start must be an int, got {type(vocab_start).__name__}")
+    if not (0 <= vocab_start and vocab_start + v_local <= vocab):
+        raise ValueError(f"embed_weight rows [vocab_start={vocab_start}, +{v_local}) must lie inside "
+                         f"the logits vocabulary of {vocab}")
+    if keep is not None:
+        check_tensor("keep", keep, dtypes=(torch.bool,), device=dev, shape=(n_rows,))
+    if threshold is not None:
+        check_tensor("threshold", threshold, dtypes=(torch.float32,), device=dev, shape=(n_rows,))
+    if allowed is not None:
+        check_tensor("allowed", allowed, dim=2, dtypes=(torch.bool,), device=dev,
+                     shape=(temperature.shape[0], vocab))
+        if allowed.numel() and allowed.stride(1) != 1:
+            raise ValueError("allowed must be contiguous in the vocabulary dimension")
+    if isinstance(normalizer, torch.Tensor):
+        if normalizer.numel() != 1:
+            raise ValueError(f"normalizer must be a scalar, got shape {tuple(normalizer.shape)}")
+    elif isinstance(normalizer, bool) or not isinstance(normalizer, (int, float)):
+        raise TypeError(f"normalizer must be a float or a 1-element tensor, got {type(normalizer).__name__}")
+    if softcap is not None and not (isinstance(softcap, (int, float)) and 0 < softcap < float("inf")):
+        raise ValueError(f"softcap must be None or a finite float > 0, got {softcap!r}")
+    if out is not None:
+        check_tensor("out", out, dim=2, dtypes=(torch.float32,), device=dev, shape=(n_rows, hidden))
+        if n_rows and hidden and out.stride(1) != 1:
+            raise ValueError("out must be contiguous in its last dimension (rows may be strided)")
+    if num_kept is not None and not (isinstance(num_kept, int) and 0 <= num_kept <= n_rows):
+        raise ValueError(f"num_kept must be an int in [0, {n_rows}], got {num_kept!r}")
+
+
+def soft_embedding_rows(
+    logits: torch.Tensor,
+    row_request: torch.Tensor,
+    temperature: torch.Tensor,
+    lse: torch.Tensor,
+    embed_weight: torch.Tensor,
+    normalizer: torch.Tensor | float,
+    *,
+    keep: torch.Tensor | None = None,
+    threshold: torch.Tensor | None = None,
+    allowed: torch.Tensor | None = None,
+    vocab_start: int = 0,
+    softcap: float | None = None,
+    out: torch.Tensor | None = None,
+    out_index: torch.Tensor | None = None,
+    chunk_rows: int | None = None,
+    num_kept: int | None = None,
+    config: TileConfig | None = None,
+    num_sms: int | None = None,
+) -> torch.Tensor:
+    """Triton twin of ``reference.soft_embedding_rows`` (same arguments, same result).
+
+    logits ``[N, V]`` fp32/bf16/fp16 (rows may be strided); row_request ``[N]`` int; temperature
+    ``[R]``; lse ``[N]`` fp32; embed_weight ``[V_local, H]`` bf16/fp16/fp32 (fp32 multiplies in
+    tf32 on the GPU); keep ``[N]`` bool; threshold ``[N]`` fp32; allowed ``[R, V]`` bool; out
+    ``[N, H]`` fp32, rows may be strided (e.g. a view of a slot-indexed state buffer).
+
+    With ``out_index`` ``[N]`` int64, row n is written to ``out[out_index[n]]`` (``out`` is then
+    any ``[M, H]`` fp32 buffer, e.g. the flattened slot-indexed soft-embedding state).
+
+    ``chunk_rows`` is accepted for signature parity and ignored (the kernel tiles rows itself).
+    ``num_kept``: optional host-side count of True in ``keep``; it only sizes the schedule (a wrong
+    count is still correct, just slower). ``config`` / ``num_sms`` override tuning (tests, bench).
+    """
+    del chunk_rows
+    _check_inputs(logits, row_request, temperature, lse, embed_weight, normalizer, keep, threshold,
+                  allowed, vocab_start, softcap, None if out_index is not None else out, num_kept)
+    if out_index is not None:
+        n = logits.shape[0]
+        check_tensor("out_index", out_index, dim=1, dtypes=(torch.int64,), device=logits.device,
+                     shape=(n,))
+        if out is None:
+            raise ValueError("out_index needs out, the buffer it indexes")
+        check_tensor("out", out, dim=2, dtypes=(torch.float32,), device=logits.device)
+        if out.shape[1] != embed_weight.shape[1] or (out.numel() and out.stride(1) != 1):
+            raise ValueError(f"out must be [M, {embed_weight.shape[1]}] fp32, contiguous in its last dimension")
+    n_rows = logits.shape[0]
+    v_local, hidden = embed_weight.shape
+    dev = logits.device
+    if out is None:
+        out = torch.empty(n_rows, hidden, dtype=torch.float32, device=dev)
+    if n_rows == 0 or hidden == 0:
+        return out
+
+    inv_t = reference.inverse_temperature(temperature)
+    if keep is not None:
+        # Kept rows first, in row order; the count stays on the device (no sync).
+        row_order = torch.argsort(keep.logical_not().to(torch.uint8), stable=True)
+        kept_count = keep.sum(dtype=torch.int32).reshape(1)
+        planned_rows = n_rows if num_kept is None else num_kept
+    else:
+        row_order = kept_count = None
+        planned_rows = n_rows
+    norm_is_tensor = isinstance(normalizer, torch.Tensor)
+    norm_tensor = normalizer.reshape(1).to(dev) if norm_is_tensor else None
+    norm_value = 1.0 if norm_is_tensor else float(normalizer)
+    sms = num_sms if num_sms is not None else _num_sms(dev)
+    interpret = interpreting()
+    dot_precision = "tf32" if embed_weight.dtype == torch.float32 else "ieee"
+    placeholder = inv_t  # any tensor on the device stands in for an absent optional pointer
+
+    def launch(cfg: TileConfig) -> None:
+        plan = plan_split(n_rows, planned_rows, hidden, v_local, cfg, sms,
+                          min_k_blocks=1 if interpret else MIN_K_BLOCKS_PER_PIECE)
+        scratch = (torch.empty(plan.scratch_elems, dtype=torch.float32, device=dev)
+                   if plan.scratch_elems else placeholder)
+        flags = dict(HAS_KEEP=keep is not None, NORM_IS_TENSOR=norm_is_tensor)
+        schedule = (plan.n_tiles_n, plan.dp_head, plan.tail_tiles, plan.split)
+        soft_embedding_kernel[(plan.programs,)](
+            logits, row_request, inv_t, lse,
+            placeholder if threshold is None else threshold,
+            placeholder if allowed is None else allowed,
+            placeholder if row_order is None else row_order,
+            placeholder if kept_count is None else kept_count,
+            embed_weight, placeholder if norm_tensor is None else norm_tensor, out,
+            placeholder if out_index is None else out_index, scratch,
+            n_rows, v_local, hidden, vocab_start,
+            logits.stride(0), 0 if allowed is None else allowed.stride(0),
+            embed_weight.stride(0), out.stride(0),
+            norm_value, *schedule,
+            HAS_THRESHOLD=threshold is not None, HAS_ALLOWED=allowed is not None,
+            HAS_OUT_INDEX=out_index is not None,
+            SOFTCAP=0.0 if softcap is None else float(softcap), INTERPRET=interpret,
+            DOT_PRECISION=dot_precision,
+            EVEN_K=v_local % cfg.block_k == 0, EVEN_N=hidden % cfg.block_n == 0,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
+        )
+        if plan.tail_tiles:  # split > 1 (plan_split folds S = 1 into the whole tiles)
+            sub_m = min(cfg.block_m, 32)
+            split_sum_kernel[(plan.tail_tiles, cfg.block_m // sub_m)](
+                out, placeholder if out_index is None else out_index, scratch, placeholder if row_order is None else row_order,
+                placeholder if kept_count is None else kept_count,
+                placeholder if norm_tensor is None else norm_tensor,
+                n_rows, hidden, out.stride(0), norm_value, *schedule,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SUB_M=sub_m, num_warps=4,
+                HAS_OUT_INDEX=out_index is not None, **flags,
+            )
+
+    if config is None:
+        if dev.type != "cuda":
+            config = INTERPRETER_CONFIG
+        else:
+            masks = (keep is not None, threshold is not None, allowed is not None, softcap is not None)
+            key = tuning_key(planned_rows, hidden, v_local, logits.dtype, embed_weight.dtype, masks)
+            candidates = gpu_candidates(logits.dtype, embed_weight.dtype, allowed is not None)
+            config = _pick_config(key, candidates, launch)
+    launch(config)
+    return out

@@ -1,0 +1,541 @@
+"""The Triton self-conditioning GEMM against a float64 oracle and the torch backend.
+
+CPU: run through the interpreter (``TRITON_INTERPRET=1 pytest -q tests/test_soft_embedding_kernel.py``)
+on small awkward shapes (rows 2 x 37, vocab ~1500, hidden 72), where the interpreter tile
+(32 x 64 x 128) and its 4 pretend SMs give several M/N tiles, a split-K tail and ragged edges.
+GPU (``-m gpu``): the production shape (1 and 32 requests x 256 rows x 262144 vocab, H 2816).
+
+The float64 oracle is written here from the spec (``reference`` module docstring): ``z`` in fp32
+as specified, then ``exp(z - lse) @ E`` in float64.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, replace
+
+import pytest
+import torch
+
+from dgemma_sampler import reference
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if not INTERPRET and not torch.cuda.is_available():
+    pytest.skip("needs TRITON_INTERPRET=1 (CPU) or a CUDA device", allow_module_level=True)
+
+from dgemma_sampler.kernels import soft_embedding as se  # noqa: E402
+
+FLT_MAX = torch.finfo(torch.float32).max
+DEVICE = "cpu" if INTERPRET else "cuda"
+# Relative Frobenius error vs float64, per embedding dtype: the probabilities are rounded to
+# E's dtype before the MMA (fp32 E multiplies in tf32 on the GPU, exactly in the interpreter).
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5 if INTERPRET else 5e-3}
+POISON = float("nan")
+
+cpu_only = pytest.mark.skipif(not INTERPRET, reason="small-shape checks run in the interpreter")
+gpu = pytest.mark.gpu
+
+
+# ---------------------------------------------------------------------------------------------
+# float64 oracle
+# ---------------------------------------------------------------------------------------------
+
+
+def masked_z(x_rows, inv_t_rows, threshold_rows, allowed_rows, softcap):
+    """fp32 ``z`` and the mask of a block of rows, as the spec defines them."""
+    x = reference.softcapped(x_rows, softcap)
+    masked = torch.isnan(x) | (x == float("-inf"))
+    if threshold_rows is not None:
+        masked |= x < threshold_rows.unsqueeze(1)
+    if allowed_rows is not None:
+        masked |= ~allowed_rows
+    z = torch.clamp(x * inv_t_rows.unsqueeze(1), max=FLT_MAX)
+    return z, masked
+
+
+def float64_lse(logits, row_request, temperature, *, threshold=None, allowed=None, softcap=None,
+                chunk=256):
+    """Full-vocabulary logsumexp of the masked ``z`` (float64, returned as fp32; -inf if empty)."""
+    inv_t = reference.inverse_temperature(temperature)
+    req = row_request.long()
+    out = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+    for r0 in range(0, logits.shape[0], chunk):
+        r1 = min(r0 + chunk, logits.shape[0])
+        z, masked = masked_z(logits[r0:r1], inv_t[req[r0:r1]],
+                             None if threshold is None else threshold[r0:r1],
+                             None if allowed is None else allowed[req[r0:r1]], softcap)
+        out[r0:r1] = torch.logsumexp(z.double().masked_fill(masked, float("-inf")), dim=1).float()
+    return out
+
+
+def float64_soft_embedding(logits, row_request, temperature, lse, embed, normalizer, *, keep=None,
+                           threshold=None, allowed=None, vocab_start=0, softcap=None, chunk=256):
+    """``normalizer * exp(z - lse) @ E`` over columns [vocab_start, +V_local), float64."""
+    v_local, hidden = embed.shape
+    cols = slice(vocab_start, vocab_start + v_local)
+    inv_t = reference.inverse_temperature(temperature)
+    norm = float(torch.as_tensor(normalizer).float())
+    req = row_request.long()
+    e64 = embed.double()
+    out = torch.empty(logits.shape[0], hidden, dtype=torch.float64, device=logits.device)
+    for r0 in range(0, logits.shape[0], chunk):
+        r1 = min(r0 + chunk, logits.shape[0])
+        z, masked = masked_z(logits[r0:r1, cols], inv_t[req[r0:r1]],
+                             None if threshold is None else threshold[r0:r1],
+                             None if allowed is None else allowed[req[r0:r1]][:, cols], softcap)
+        rows_lse = lse[r0:r1].double()
+        p = torch.exp(z.double() - rows_lse.unsqueeze(1))
+        p = p.masked_fill(masked | ~torch.isfinite(rows_lse).unsqueeze(1), 0.0)
+        out[r0:r1] = (p @ e64) * norm
+    if keep is not None:
+        out[~keep] = 0.0
+    return out
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want).norm() / want.norm().clamp(min=1e-300)).item()
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Case:
+    logits: torch.Tensor
+    row_request: torch.Tensor
+    temperature: torch.Tensor
+    lse: torch.Tensor
+    embed: torch.Tensor
+    normalizer: float | torch.Tensor
+    threshold: torch.Tensor | None = None
+    allowed: torch.Tensor | None = None
+    softcap: float | None = None
+    vocab_start: int = 0
+
+    def kwargs(self) -> dict:
+        return dict(threshold=self.threshold, allowed=self.allowed, softcap=self.softcap,
+                    vocab_start=self.vocab_start)
+
+    def args(self) -> tuple:
+        return (self.logits, self.row_request, self.temperature, self.lse, self.embed, self.normalizer)
+
+
+def make_case(*, requests=2, width=37, vocab=1500, hidden=72, logits_dtype=torch.float32,
+              embed_dtype=torch.bfloat16, v_local=None, vocab_start=0, masks=False, softcap=None,
+              greedy=False, row_pad=0, seed=0, device=DEVICE, scale=2.5) -> Case:
+    """Fresh random inputs (never zeros). ``row_pad`` > 0 makes the logits rows strided."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    n = requests * width
+    v_local = vocab - vocab_start if v_local is None else v_local
+    base = torch.randn(n, vocab + row_pad, generator=g) * scale + 0.3
+    logits = base.to(device=device, dtype=logits_dtype)[:, :vocab]
+    row_request = torch.arange(requests, dtype=torch.int32).repeat_interleave(width).to(device)
+    temperature = (0.4 + torch.rand(requests, generator=g)).to(device)
+    if greedy:
+        temperature[0] = 0.0
+    threshold = allowed = None
+    if masks:
+        flat = logits.view(-1) if row_pad == 0 else None
+        assert flat is not None, "masks are sprinkled on unpadded logits"
+        u = torch.rand(n, vocab, generator=g).to(device)
+        logits[u < 0.03] = float("-inf")
+        logits[(u > 0.03) & (u < 0.035)] = float("nan")
+        x = reference.softcapped(logits, softcap)
+        masked = torch.isnan(x) | (x == float("-inf"))
+        top_k = torch.tensor([vocab // 3] + [0] * (requests - 1), device=device)
+        top_p = torch.tensor([1.0] + [0.9] * (requests - 1), device=device)
+        threshold = reference.top_k_top_p_threshold(x, masked, top_k[row_request.long()],
+                                                    top_p[row_request.long()])
+        if softcap is not None:
+            # The threshold is a softcapped logit; the kernel's tanh may differ from torch's by an
+            # ulp, which would flip the boundary token. Put the threshold between data values.
+            threshold = threshold - 1e-3
+        allowed = (torch.rand(requests, vocab, generator=g) < 0.8).to(device)
+    lse = float64_lse(logits, row_request, temperature, threshold=threshold, allowed=allowed,
+                      softcap=softcap)
+    embed = (torch.randn(v_local, hidden, generator=g) * 0.5).to(device=device, dtype=embed_dtype)
+    return Case(logits, row_request, temperature, lse, embed, 0.75, threshold, allowed, softcap,
+                vocab_start)
+
+
+def run_kernel(case: Case, *, out=None, keep=None, **overrides) -> torch.Tensor:
+    """Launch with a poisoned ``out`` (unless given) and return it."""
+    if out is None:
+        out = torch.full((case.logits.shape[0], case.embed.shape[1]), POISON, device=case.logits.device)
+    res = se.soft_embedding_rows(*case.args(), keep=keep, out=out, **case.kwargs(), **overrides)
+    assert res.data_ptr() == out.data_ptr()
+    return res
+
+
+def check(case: Case, got: torch.Tensor, *, keep=None, against_torch=True) -> None:
+    """Every element written, dropped rows exactly 0, close to float64 and to the torch backend."""
+    assert not torch.isnan(got).any(), "an output element was not written (NaN poison left)"
+    want = float64_soft_embedding(*case.args(), keep=keep, **case.kwargs())
+    if keep is not None:
+        assert (got[~keep] == 0).all()
+    tol = TOLERANCE[case.embed.dtype]
+    assert rel_err(got, want) <= tol, (rel_err(got, want), tol)
+    if against_torch:
+        torch_out = reference.soft_embedding_rows(*case.args(), keep=keep, **case.kwargs())
+        assert rel_err(got, torch_out.double()) <= tol + rel_err(torch_out, want)
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU (interpreter) tests
+# ---------------------------------------------------------------------------------------------
+
+
+@cpu_only
+@pytest.mark.parametrize("logits_dtype,embed_dtype", [
+    (torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
+    (torch.float32, torch.float16), (torch.float16, torch.float32), (torch.float32, torch.float32),
+])
+def test_matches_float64_and_torch(logits_dtype, embed_dtype):
+    case = make_case(logits_dtype=logits_dtype, embed_dtype=embed_dtype, seed=1)
+    check(case, run_kernel(case))
+
+
+@cpu_only
+@pytest.mark.parametrize("softcap,greedy", [(None, True), (4.0, False)])
+def test_masks_greedy_and_softcap(softcap, greedy):
+    """-inf, NaN, top-k/top-p threshold, allowed set; one greedy request (T = 0); softcap turns
+    -inf logits into -cap (unmasked), as the spec says. Not greedy with softcap: at T = 0,
+    z = softcap(x) * 1e10 turns a 1-ulp tanh difference between this kernel and torch into
+    thousands of nats, so that pair is only consistent when lse comes from the same softcap code
+    (the row-statistics kernel), not from torch."""
+    case = make_case(masks=True, greedy=greedy, softcap=softcap, scale=4.0, seed=2)
+    check(case, run_kernel(case))
+
+
+@cpu_only
+def test_consistent_with_row_stats_kernel_greedy_softcap():
+    """lse and threshold from the Triton row-statistics kernel: since both kernels share
+    ``logit_row.softcapped``, greedy rows (T = 0) with a softcap give exactly normalizer *
+    E[argmax], which a torch-computed lse cannot promise (see test_masks_greedy_and_softcap)."""
+    row_stats = pytest.importorskip("dgemma_sampler.kernels.row_stats")
+    case = make_case(requests=2, width=5, vocab=260, hidden=40, greedy=True, softcap=4.0, scale=6.0,
+                     seed=21)
+    position = torch.arange(5, dtype=torch.int32).repeat(2)
+    stats = row_stats.row_stats_rows(case.logits, case.row_request, position, case.temperature,
+                                     torch.tensor([1, 2]), torch.tensor([0, 0]), softcap=4.0,
+                                     top_k=torch.tensor([20, 0]))
+    case = replace(case, lse=stats.lse, threshold=stats.threshold)
+    got = run_kernel(case)
+    greedy = case.row_request == 0
+    assert torch.equal(got[greedy], case.embed.float()[stats.argmax[greedy]] * 0.75)
+    want = float64_soft_embedding(*case.args(), **case.kwargs())
+    assert rel_err(got[~greedy], want[~greedy]) <= TOLERANCE[case.embed.dtype]
+
+
+@cpu_only
+def test_rows_without_finite_lse_are_zero():
+    case = make_case(seed=3)
+    case.logits[5] = float("-inf")  # a fully masked row: lse = -inf
+    case.lse = float64_lse(case.logits, case.row_request, case.temperature)
+    case.lse[9] = float("nan")
+    case.lse[11] = float("inf")
+    got = run_kernel(case)
+    assert (got[[5, 9, 11]] == 0).all()
+    check(case, got)
+
+
+@cpu_only
+@pytest.mark.parametrize("vocab_start,v_local", [(300, 1024), (113, 777)])
+def test_vocab_slice(vocab_start, v_local):
+    """A tensor-parallel rank's slice; 1024 = 8 blocks exercises the unmasked-K fast path."""
+    case = make_case(vocab_start=vocab_start, v_local=v_local, masks=True, seed=4)
+    check(case, run_kernel(case))
+
+
+@cpu_only
+@pytest.mark.parametrize("pattern", ["none", "alternate", "all", "random", "tail"])
+def test_keep_patterns(pattern):
+    case = make_case(seed=5)
+    n = case.logits.shape[0]
+    keep = {
+        "none": torch.zeros(n, dtype=torch.bool),
+        "alternate": torch.arange(n) % 2 == 0,
+        "all": torch.ones(n, dtype=torch.bool),
+        "random": torch.rand(n, generator=torch.Generator().manual_seed(6)) < 0.4,
+        "tail": torch.arange(n) >= n - 5,
+    }[pattern]
+    got = run_kernel(case, keep=keep)
+    if pattern == "none":
+        assert (got == 0).all()
+    else:
+        check(case, got, keep=keep)
+
+
+@cpu_only
+@pytest.mark.parametrize("hint", ["exact", "low", "zero"])
+def test_num_kept_hint(hint):
+    """``num_kept`` only sizes the schedule: a count that is too low is still correct."""
+    case = make_case(seed=7)
+    n = case.logits.shape[0]
+    keep = torch.arange(n) % 3 != 0
+    count = int(keep.sum())
+    num_kept = {"exact": count, "low": count // 3, "zero": 0}[hint]
+    check(case, run_kernel(case, keep=keep, num_kept=num_kept), keep=keep, against_torch=False)
+
+
+@cpu_only
+def test_strided_logits_and_out():
+    """Rows of logits and of ``out`` strided (out a column window of a wider state buffer)."""
+    case = make_case(row_pad=40, seed=8)
+    n, hidden = case.logits.shape[0], case.embed.shape[1]
+    state = torch.full((n, hidden + 24), -7.0)
+    out = state[:, 5:5 + hidden]
+    out.fill_(POISON)
+    got = run_kernel(case, out=out)
+    assert got.stride(0) == hidden + 24
+    assert (state[:, :5] == -7.0).all() and (state[:, 5 + hidden:] == -7.0).all()
+    check(case, got)
+
+
+@cpu_only
+def test_out_view_of_slot_state_buffer():
+    """``out`` as rows of a slot-indexed ``[max_reqs, CL, H]`` buffer (requests in slots 1..2)."""
+    case = make_case(requests=2, width=37, seed=9)
+    state = torch.full((4, 37, case.embed.shape[1]), -3.0)
+    out = state[1:3].view(-1, case.embed.shape[1])
+    out.fill_(POISON)
+    check(case, run_kernel(case, out=out))
+    assert (state[0] == -3.0).all() and (state[3] == -3.0).all()
+
+
+@cpu_only
+def test_tensor_normalizer_and_default_out():
+    case = make_case(seed=10)
+    case.normalizer = torch.tensor(1.5)
+    got = se.soft_embedding_rows(*case.args(), **case.kwargs())
+    assert got.shape == (case.logits.shape[0], case.embed.shape[1]) and got.dtype == torch.float32
+    check(case, got)
+
+
+@cpu_only
+@pytest.mark.parametrize("num_sms", [1, 4, 64])
+def test_schedules_agree_and_are_deterministic(num_sms):
+    """1 SM: whole tiles only; 4: whole waves + a split tail; 64: every tile split (one wave)."""
+    case = make_case(seed=11)
+    cfg = se.INTERPRETER_CONFIG
+    plan = se.plan_split(case.logits.shape[0], case.logits.shape[0], case.embed.shape[1],
+                         case.embed.shape[0], cfg, num_sms, min_k_blocks=1)
+    kind = {1: (False, True), 4: (True, True), 64: (True, False)}[num_sms]
+    assert (plan.split > 1, plan.dp_head > 0) == kind, plan
+    first = run_kernel(case, num_sms=num_sms)
+    second = run_kernel(case, num_sms=num_sms)
+    assert torch.equal(first, second)
+    check(case, first, against_torch=False)
+
+
+@cpu_only
+def test_small_tiles_config():
+    """Several N tiles per row block (BLOCK_N 32 < H) with the split tail."""
+    case = make_case(hidden=90, seed=12)
+    check(case, run_kernel(case, config=se.TileConfig(16, 32, 128, 4, 1)), against_torch=False)
+
+
+@cpu_only
+def test_ops_triton_backend_matches_torch_backend():
+    """Through the public 3-D API: backend='triton' (interpreter) vs backend='torch'."""
+    import dgemma_sampler as ds
+
+    case = make_case(requests=3, width=20, seed=13)
+    logits3 = case.logits.view(3, 20, -1)
+    keep = torch.rand(3, 20, generator=torch.Generator().manual_seed(1)) < 0.7
+    lse = case.lse.view(3, 20)
+    results = {}
+    for backend in ("triton", "torch"):
+        out = torch.full((3, 20, case.embed.shape[1]), POISON)
+        results[backend] = ds.soft_embedding(logits3, case.temperature, lse, case.embed, 0.75,
+                                             keep=keep, out=out, backend=backend)
+    assert (results["triton"][~keep] == 0).all()
+    assert rel_err(results["triton"], results["torch"].double()) <= 1e-2
+
+
+@cpu_only
+def test_split_plan_at_production_shapes():
+    """The schedule the H200 gets: whole waves plus a split tail that fills whole waves, with
+    the partial-sum scratch under the cap."""
+    cfg = se.TileConfig(128, 256, 64, 8, 3)
+    expected = {1: (0, 22, 6), 4: (0, 88, 3), 16: (264, 88, 3), 32: (660, 44, 3)}
+    for requests, (dp_head, tail, split) in expected.items():
+        rows = 256 * requests
+        plan = se.plan_split(rows, rows, 2816, 262144, cfg, 132)
+        assert (plan.dp_head, plan.tail_tiles, plan.split) == (dp_head, tail, split), (requests, plan)
+        assert plan.tail_tiles * plan.split % 132 == 0
+        assert plan.scratch_elems * 4 <= se.MAX_SCRATCH_BYTES
+        assert plan.programs == dp_head + tail * split
+
+
+def _bad(case: Case, **changes):
+    kwargs = dict(zip(("logits", "row_request", "temperature", "lse", "embed_weight", "normalizer"),
+                      case.args()))
+    kwargs.update(case.kwargs())
+    kwargs.update(changes)
+    return kwargs
+
+
+@cpu_only
+@pytest.mark.parametrize("changes,error,match", [
+    (lambda c: dict(logits=c.logits.to(torch.int32)), TypeError, "logits must have dtype"),
+    (lambda c: dict(logits=c.logits[0]), ValueError, "logits must be 2-D"),
+    (lambda c: dict(logits=c.logits.t()), ValueError, "contiguous in the vocabulary"),
+    (lambda c: dict(row_request=c.row_request.float()), TypeError, "row_request must have dtype"),
+    (lambda c: dict(lse=c.lse[:-1]), ValueError, "lse must have shape"),
+    (lambda c: dict(lse=c.lse.double()), TypeError, "lse must have dtype"),
+    (lambda c: dict(lse=c.lse.to("meta")), ValueError, "lse must be on cpu"),
+    (lambda c: dict(embed_weight=c.embed.t().contiguous().t()), ValueError, "contiguous in the hidden"),
+    (lambda c: dict(embed_weight=c.embed.to(torch.int8)), TypeError, "embed_weight must have dtype"),
+    (lambda c: dict(vocab_start=2000), ValueError, "must lie inside"),
+    (lambda c: dict(vocab_start=1.0), TypeError, "vocab_start must be an int"),
+    (lambda c: dict(keep=torch.ones(3, dtype=torch.bool)), ValueError, "keep must have shape"),
+    (lambda c: dict(keep=torch.ones(c.logits.shape[0])), TypeError, "keep must have dtype"),
+    (lambda c: dict(threshold=torch.zeros(c.logits.shape[0], dtype=torch.float64)), TypeError,
+     "threshold must have dtype"),
+    (lambda c: dict(allowed=torch.ones(5, 1500, dtype=torch.bool)), ValueError, "allowed must have shape"),
+    (lambda c: dict(normalizer=torch.ones(2)), ValueError, "normalizer must be a scalar"),
+    (lambda c: dict(normalizer="1"), TypeError, "normalizer must be a float"),
+    (lambda c: dict(softcap=-1.0), ValueError, "softcap must be None"),
+    (lambda c: dict(out=torch.empty(c.logits.shape[0], 5)), ValueError, "out must have shape"),
+    (lambda c: dict(out=torch.empty(c.logits.shape[0], 72, dtype=torch.float64)), TypeError,
+     "out must have dtype"),
+    (lambda c: dict(num_kept=10_000), ValueError, "num_kept must be"),
+])
+def test_bad_inputs(changes, error, match):
+    case = make_case(seed=14)
+    with pytest.raises(error, match=match):
+        se.soft_embedding_rows(**_bad(case, **changes(case)))
+
+
+@cpu_only
+def test_cpu_without_interpreter_is_refused(monkeypatch):
+    case = make_case(seed=15)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        se.soft_embedding_rows(*case.args())
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU tests at the production shape (V = 262144, H = 2816, 256 rows per request)
+# ---------------------------------------------------------------------------------------------
+
+VOCAB, HIDDEN, CANVAS = 262144, 2816, 256
+gpu_only = pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def production_case(requests, *, logits_dtype=torch.float32, masks=False, softcap=None,
+                    greedy=False, seed=0) -> Case:
+    """Gemma-like magnitudes: logits ~ N(0, 3^2), T in [0.4, 0.8], E ~ N(0, 0.03^2) in bf16,
+    normalizer sqrt(H). ``masks``: -inf, NaN, top-k 50 threshold and an allowed set."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    n = requests * CANVAS
+    logits = torch.randn(n, VOCAB, generator=g, device="cuda").mul_(3.0).to(logits_dtype)
+    row_request = torch.arange(requests, dtype=torch.int32, device="cuda").repeat_interleave(CANVAS)
+    temperature = 0.4 + 0.4 * torch.rand(requests, generator=g, device="cuda")
+    threshold = allowed = None
+    if greedy:
+        temperature[0] = 0.0
+    if masks:
+        u = torch.rand(n, VOCAB, generator=g, device="cuda")
+        logits[u < 0.01] = float("-inf")
+        logits[u > 0.9999] = float("nan")
+        allowed = torch.rand(requests, VOCAB, generator=g, device="cuda") < 0.9
+        x = reference.softcapped(logits, softcap)
+        top_k = torch.full((n,), 50, device="cuda")
+        threshold = reference.top_k_top_p_threshold(x, torch.isnan(x) | (x == float("-inf")), top_k, None)
+        if softcap is not None:  # between data values: see make_case
+            threshold = threshold - 1e-3
+        del x
+    lse = float64_lse(logits, row_request, temperature, threshold=threshold, allowed=allowed,
+                      softcap=softcap)
+    embed = (torch.randn(VOCAB, HIDDEN, generator=g, device="cuda") * 0.03).to(torch.bfloat16)
+    return Case(logits, row_request, temperature, lse, embed, math.sqrt(HIDDEN), threshold, allowed,
+                softcap)
+
+
+def check_gpu(case: Case, got: torch.Tensor, keep=None, tol=1e-2) -> None:
+    assert not torch.isnan(got).any(), "an output element was not written (NaN poison left)"
+    want = float64_soft_embedding(*case.args(), keep=keep, **case.kwargs(), chunk=128)
+    if keep is not None:
+        assert (got[~keep] == 0).all()
+        got, want = got[keep], want[keep]
+    err = rel_err(got, want)
+    row_err = ((got.double() - want).norm(dim=1) / want.norm(dim=1)).max().item()
+    assert err <= tol and row_err <= 3 * tol, (err, row_err)
+
+
+@gpu
+@gpu_only
+@pytest.mark.parametrize("requests", [1, 32])
+def test_gpu_production_shape(requests):
+    case = production_case(requests, seed=requests)
+    got = run_kernel(case)
+    check_gpu(case, got)
+    assert torch.equal(got, run_kernel(case)), "not deterministic run to run"
+
+
+@gpu
+@gpu_only
+def test_gpu_bf16_logits_keep_and_vocab_slice():
+    """bf16 logits, every other request kept, the second half of the vocabulary (TP rank 1 of 2),
+    out rows of a slot-indexed state buffer."""
+    requests = 4
+    case = production_case(requests, logits_dtype=torch.bfloat16, seed=7)
+    case = replace(case, embed=case.embed[VOCAB // 2:].contiguous(), vocab_start=VOCAB // 2)
+    keep = (case.row_request % 2 == 0)
+    state = torch.full((8, CANVAS, HIDDEN), POISON, device="cuda")
+    out = state[2:2 + requests].view(-1, HIDDEN)
+    got = run_kernel(case, out=out, keep=keep, num_kept=int(keep.sum()))
+    check_gpu(case, got, keep=keep)
+    assert torch.isnan(state[:2]).all() and torch.isnan(state[2 + requests:]).all()
+
+
+@gpu
+@gpu_only
+@pytest.mark.parametrize("softcap,greedy", [(30.0, False), (None, True)])
+def test_gpu_masks_softcap_greedy(softcap, greedy):
+    """Masks with softcap 30, or with request 0 greedy (not both: see the CPU test)."""
+    case = production_case(2, masks=True, softcap=softcap, greedy=greedy, seed=3)
+    check_gpu(case, run_kernel(case))
+
+
+@gpu
+@gpu_only
+def test_gpu_memory_beyond_output_is_only_the_split_scratch():
+    case = production_case(1, seed=5)
+    out = torch.empty(CANVAS, HIDDEN, device="cuda")
+    se.soft_embedding_rows(*case.args(), out=out)  # tune and compile first
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    se.soft_embedding_rows(*case.args(), out=out)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    assert extra <= se.MAX_SCRATCH_BYTES + 2**20, extra
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_out_index_scatters_rows_into_a_slot_buffer(split):
+    """``out_index`` writes row n into ``out[out_index[n]]``: the slot-indexed state rows."""
+    n, v, h = 11, 700 if INTERPRET else 4099, 40
+    logits = torch.randn(n, v, device=DEVICE) * 3
+    request = torch.zeros(n, dtype=torch.int32, device=DEVICE)
+    temp = torch.tensor([0.7], device=DEVICE)
+    lse = torch.logsumexp(logits * reference.inverse_temperature(temp), dim=-1)
+    e = torch.randn(v, h, device=DEVICE).to(torch.bfloat16)
+    keep = torch.rand(n, device=DEVICE) > 0.3
+    index = torch.randperm(3 * n, device=DEVICE)[:n]
+    want = torch.full((3 * n, h), 7.0, device=DEVICE)
+    got = want.clone()
+    reference.soft_embedding_rows(logits, request, temp, lse, e, 2.0, keep=keep, out=want, out_index=index)
+    kw = dict(num_sms=1) if split else {}
+    se.soft_embedding_rows(logits, request, temp, lse, e, 2.0, keep=keep, out=got, out_index=index, **kw)
+    untouched = torch.ones(3 * n, dtype=torch.bool, device=DEVICE)
+    untouched[index] = False
+    assert (got[untouched] == 7.0).all()
+    err = (got - want).norm() / want.norm()
+    assert err < 1e-2
