@@ -38,10 +38,13 @@ def fmix32(h):
 
 @triton.jit
 def row_key(seed, draw, position, STREAM: tl.constexpr):
-    """uint32 key of (int64 seed, int64 draw counter, int position, stream)."""
-    seed = tl.to_tensor(seed).to(tl.int64)
-    draw = tl.to_tensor(draw).to(tl.int64)
-    position = tl.to_tensor(position)
+    """uint32 key of (int64 seed, int64 draw counter, int position, stream).
+
+    ``seed``, ``draw`` and ``position`` must be tensors (loaded values or ``tl.arange``
+    expressions), not Python ints: compiled Triton has no ``.to`` on a constexpr.
+    """
+    seed = seed.to(tl.int64)
+    draw = draw.to(tl.int64)
     k = fmix32((seed & 0xFFFFFFFF).to(tl.uint32) ^ GOLDEN)
     k = fmix32(k ^ ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32))
     k = fmix32(k ^ (draw & 0xFFFFFFFF).to(tl.uint32))
@@ -53,7 +56,13 @@ def row_key(seed, draw, position, STREAM: tl.constexpr):
 @triton.jit
 def token_bits(key, token):
     """32 random bits (uint32) for ``token`` (any int tensor) under a uint32 row ``key``."""
-    c = token.to(tl.uint32) * C1
+    return token_bits_of_product(key, token.to(tl.uint32) * C1)
+
+
+@triton.jit
+def token_bits_of_product(key, c):
+    """``token_bits`` given ``c = uint32(token) * C1`` (wrapping): a kernel walking blocks of
+    consecutive tokens forms it as ``offs * C1 + start * C1`` with one add per token."""
     c = _rotl32(c, 15) * C2
     h = _rotl32(key ^ c, 13)
     h = h * 5 + MURMUR_ADD
