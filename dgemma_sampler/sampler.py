@@ -336,7 +336,7 @@ class DiffusionSampler:
             step_before = self.state.step[s] - 1
             t = torch.ones((), device=rows.device) if read_only else \
                 self.cfg.temperature(step_before.unsqueeze(0)).to(torch.float32)[0]
-            inv_t = reference.inverse_temperature(t).expand(k)
+            inv_t = reference.inverse_temperature(t).expand(k).contiguous()  # one per row
             thr = out.stats.threshold[j, :k]
             allow = None if allowed is None else allowed[j].unsqueeze(0).expand(k, -1)
             ids = token_ids.get(s)

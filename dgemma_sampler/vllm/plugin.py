@@ -22,10 +22,17 @@ def supported(version: str) -> bool:
     return any(version.startswith(prefix) for prefix in SUPPORTED)
 
 
+def disabled() -> bool:
+    """``DGEMMA_SAMPLER_DISABLE`` set to anything but an "off" value (unset, "", 0, false, no,
+    off) keeps vLLM's own sampler."""
+    return os.environ.get(DISABLE_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
 def register() -> bool:
     """Install the fused sampler; returns whether it is now active."""
-    if os.environ.get(DISABLE_ENV, "0") not in ("", "0"):
-        logger.info("dgemma-sampler: disabled by %s; vLLM's own DiffusionGemma sampler stays", DISABLE_ENV)
+    if disabled():
+        logger.info("dgemma-sampler: disabled by %s; vLLM's own DiffusionGemma sampler stays",
+                    DISABLE_ENV)
         return False
     try:
         import vllm
@@ -45,7 +52,8 @@ def register() -> bool:
         return False
     if diffusion_gemma.DiffusionSampler is not FusedDiffusionSampler:
         diffusion_gemma.DiffusionSampler = FusedDiffusionSampler
-    logger.info("dgemma-sampler: FusedDiffusionSampler active for DiffusionGemma (vLLM %s)", version)
+    logger.info("dgemma-sampler: FusedDiffusionSampler active for DiffusionGemma (vLLM %s)",
+                version)
     return True
 
 

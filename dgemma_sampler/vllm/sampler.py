@@ -10,7 +10,11 @@ the prefill-only step, ``num_rejected``) and replaces the device work of a decod
   written straight into ``self_conditioning_embeds``;
 * every random number (first canvas, renoise, Gumbel noise, canvas after a commit) is keyed by
   the request's ``SamplingParams.seed`` (vLLM draws a random one when unset) and a per-request
-  draw counter, so a seed reproduces a generation and batching does not change it.
+  draw counter, so a seed reproduces a generation and batching does not change it;
+* the caller's logits are only read (vLLM masks fp32 logits in place for top-k/top-p).
+
+``tests/test_vllm_parity.py`` runs it beside vLLM's sampler step by step; the README lists
+where it deliberately differs.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from vllm.v1.outputs import LogprobsTensors
 
 from .. import reference
 from ..config import SamplerConfig
+from ..keyed_noise import Stream, random_tokens
 from ..ops import resolve_backend
 from ..sampler import backend_functions
 from ..step import decode_step
@@ -72,8 +77,6 @@ class FusedDiffusionSampler(_dg.DiffusionSampler):
             return
         done = _to_device(done_np.astype(np.int64), states.is_encoder_phase.device)
         pos = torch.arange(self.canvas_length, device=done.device)
-        from ..keyed_noise import Stream, random_tokens
-
         states.canvas[done] = random_tokens(
             states.seeds[done].unsqueeze(1), states.draws[done].unsqueeze(1), pos.unsqueeze(0),
             Stream.CANVAS, self.vocab_size)
@@ -145,7 +148,7 @@ class FusedDiffusionSampler(_dg.DiffusionSampler):
         sampled[decode_idx, :W] = out.sampled.to(sampled.dtype)
         num_sampled[decode_idx] = out.num_sampled.to(num_sampled.dtype)
         self._stash_logprobs(out, logits, decode_slots_np, starts_np, valid_np, slots_np,
-                             top_k, top_p, allowed, column_tokens)
+                             allowed, column_tokens)
         all_slots = input_batch.idx_mapping[: input_batch.num_reqs]
         self.req_states.draft_tokens[all_slots, :W] = states.canvas[all_slots, :W]
 
@@ -173,57 +176,90 @@ class FusedDiffusionSampler(_dg.DiffusionSampler):
                 mask[i, states.allowed_tensor(ids)] = True
         return mask
 
-    def _stash_logprobs(self, out, logits, decode_slots_np, starts_np, valid_np, slots_np,
-                        top_k, top_p, allowed, column_tokens) -> None:
-        """Logprobs of requests converging now, kept until they emit (vLLM's stash)."""
+    def _logprob_columns(self, slots_np: np.ndarray) -> tuple[int, int] | None:
+        """``(top-n, most requested ids)`` over every request of the batch (prefilling ones
+        too, as vLLM counts them), or None when no request of the batch wants logprobs."""
         max_num_logprobs = self.sampling_states.max_num_logprobs(slots_np)
         max_token_ids = self.logprob_token_ids_state.max_num_token_ids(slots_np)
         if max_num_logprobs < 0 and max_token_ids <= 0:
+            return None
+        return max(max_num_logprobs, 0), max_token_ids
+
+    def _stash_logprobs(self, out, logits, decode_slots_np, starts_np, valid_np, slots_np,
+                        allowed, column_tokens) -> None:
+        """Logprobs of the requests converging now, kept until they emit (vLLM's stash).
+
+        Once the batch wants logprobs every converging request gets a stash, whether it asked
+        or not (the output processor drops what was not asked for). Rows are the masked,
+        temperature-scaled logits of this step; read-only requests report temperature 1.
+        """
+        columns = self._logprob_columns(slots_np)
+        if columns is None:
             return
-        num_logprobs = max(max_num_logprobs, 0)
-        num_cols = max(num_logprobs, max_token_ids)
-        converged = out.just_converged.cpu().numpy()  # one host sync, only with logprobs
+        num_logprobs, max_token_ids = columns
         states = self.diffusion_states
+        converged = out.just_converged.cpu().numpy()  # one host sync, only with logprobs
         for j in np.flatnonzero(converged).tolist():
             slot = int(decode_slots_np[j])
             k = int(valid_np[j])
             rows = logits[int(starts_np[j]): int(starts_np[j]) + k]
-            # Read-only requests report temperature-1 logprobs, the others the step's.
-            t = torch.ones((), device=rows.device) if slot in states.read_only_slots else \
-                self.cfg.temperature(states.step[slot:slot + 1] - 1).to(torch.float32)[0]
-            inv_t = reference.inverse_temperature(t).expand(k)
+            if slot in states.read_only_slots:
+                t = torch.ones((), device=rows.device)
+            else:  # the temperature of the step that just ran (its counter moved on)
+                t = self.cfg.temperature(states.step[slot:slot + 1] - 1).to(torch.float32)[0]
+            # Materialised: the Triton logprobs kernel reads one value per row (no stride).
+            inv_t = reference.inverse_temperature(t).expand(k).contiguous()
             thr = out.stats.threshold[j, :k]
-            allow = None if allowed is None else allowed[j].unsqueeze(0).expand(k, -1)
             selected = out.stats.argmax[j, :k]
             if column_tokens is not None:
-                # Every allowed id, renormalised over the set, argmax first (vLLM's layout).
-                cols = torch.arange(column_tokens.numel(), device=rows.device).expand(k, -1)
-                ids, vals, ranks = self.logprobs_fn(
-                    rows, inv_t, thr, None, torch.searchsorted(column_tokens, selected), 0,
-                    token_ids=cols)
-                ids = column_tokens[ids]
+                lp = self._shared_set_logprobs(rows, inv_t, thr, selected, column_tokens)
             else:
-                n_custom = int(self.logprob_token_ids_state.num_token_ids.np[slot]) \
-                    if max_token_ids > 0 else 0
-                token_ids = None
-                if n_custom > 0:
-                    token_ids = self.logprob_token_ids_state.token_ids.gpu[slot, :n_custom]
-                    token_ids = token_ids.to(torch.int64).expand(k, -1)
-                ids, vals, ranks = self.logprobs_fn(rows, inv_t, thr, allow, selected,
-                                                    num_logprobs, token_ids=token_ids)
-                pad = 1 + num_cols - ids.shape[1]
-                if pad > 0:
-                    ids = torch.nn.functional.pad(ids, (0, pad), value=0)
-                    vals = torch.nn.functional.pad(vals, (0, pad), value=float("-inf"))
-            if self.logits_mode:
-                # raw/processed logits mode reports the (scaled) logits, not logprobs.
-                z = reference.softcapped(rows, None) * inv_t.unsqueeze(1)
-                vals = torch.where(torch.isfinite(vals), z.gather(1, ids), vals)
-            self._pending_logprobs[slot] = LogprobsTensors(
-                logprob_token_ids=ids, logprobs=vals, selected_token_ranks=ranks.to(torch.int64))
+                allow = None if allowed is None else allowed[j].unsqueeze(0).expand(k, -1)
+                lp = self._vocab_logprobs(rows, inv_t, thr, allow, selected, slot,
+                                          num_logprobs, max_token_ids)
+            self._pending_logprobs[slot] = lp
+
+    def _shared_set_logprobs(self, rows, inv_t, thr, selected, column_tokens) -> LogprobsTensors:
+        """A step over one shared allowed set (logits ``[k, K]``): every allowed id,
+        renormalised over the set, after the argmax column (vLLM's layout: ``1 + K`` wide,
+        always logprobs, also in a logits mode)."""
+        k = rows.shape[0]
+        # Column of each argmax id: the set keeps the request's order (it is not sorted), and
+        # the first matching column is the one the argmax picked.
+        selected_col = (column_tokens.unsqueeze(0) == selected.unsqueeze(1)).int().argmax(1)
+        every_column = torch.arange(column_tokens.numel(), device=rows.device).expand(k, -1)
+        cols, vals, ranks = self.logprobs_fn(rows, inv_t, thr, None, selected_col, 0,
+                                             token_ids=every_column)
+        return LogprobsTensors(logprob_token_ids=column_tokens[cols], logprobs=vals,
+                               selected_token_ranks=ranks.to(torch.int64))
+
+    def _vocab_logprobs(self, rows, inv_t, thr, allow, selected, slot, num_logprobs,
+                        max_token_ids) -> LogprobsTensors:
+        """Full-vocabulary rows: the argmax, then the request's own ids if it named any, else
+        the batch's top-n; padded to the batch's width with id 0 at -inf."""
+        token_ids = None
+        if max_token_ids > 0:
+            n_custom = int(self.logprob_token_ids_state.num_token_ids.np[slot])
+            if n_custom > 0:
+                token_ids = self.logprob_token_ids_state.token_ids.gpu[slot, :n_custom]
+                token_ids = token_ids.to(torch.int64).expand(rows.shape[0], -1)
+        ids, vals, ranks = self.logprobs_fn(rows, inv_t, thr, allow, selected, num_logprobs,
+                                            token_ids=token_ids)
+        pad = 1 + max(num_logprobs, max_token_ids) - ids.shape[1]
+        if pad > 0:
+            ids = torch.nn.functional.pad(ids, (0, pad), value=0)
+            vals = torch.nn.functional.pad(vals, (0, pad), value=float("-inf"))
+        if self.logits_mode:
+            # raw/processed logits modes report the scaled, masked logits instead.
+            z = reference.softcapped(rows, None) * inv_t.unsqueeze(1)
+            vals = torch.where(torch.isfinite(vals), z.gather(1, ids), vals)
+        return LogprobsTensors(logprob_token_ids=ids, logprobs=vals,
+                               selected_token_ranks=ranks.to(torch.int64))
 
     def _emit_logprobs(self, slots_np, num_sampled, num_reqs):
-        if not self._pending_logprobs:
+        """The stashes of the requests emitting now, in batch order. As in vLLM only a batch
+        that wants logprobs emits; other stashes wait (or are dropped by ``add_request``)."""
+        if not self._pending_logprobs or self._logprob_columns(slots_np) is None:
             return None
         emitting = set(slots_np[num_sampled.cpu().numpy() > 0].tolist())
         parts, cu = [], []
