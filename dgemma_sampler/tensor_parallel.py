@@ -133,16 +133,22 @@ def local_row_partials(
     Returns the packed partials and the local ``RowStats`` (flat rows, global ids; None for
     an empty slice). An empty slice packs as an all-masked one (lse = -inf).
     """
-    r, w, v_local = local_logits.shape
-    n = r * w
-    device = local_logits.device
+    flat, request, position = ops._flat_rows(local_logits)
+    return _local_partials_rows(flat, request, position, temperature, seeds, draws,
+                                vocab_start=vocab_start, softcap=softcap, backend=backend)
+
+
+def _local_partials_rows(flat, request, position, temperature, seeds, draws, *, vocab_start,
+                         softcap, backend):
+    """``local_row_partials`` on flat rows ``[N, V_local]`` with their request / position."""
+    n, v_local = flat.shape
+    device = flat.device
     if v_local == 0:
         packed = torch.zeros(n, NUM_FIELDS, dtype=torch.int32, device=device)
         neg_inf = torch.full((n,), float("-inf"), dtype=torch.float32, device=device)
         for col in (Z_MAX, SAMPLE_KEY, LSE):
             packed[:, col] = _f32_bits(neg_inf)
         return packed, None
-    flat, request, position = ops._flat_rows(local_logits)
     if ops.resolve_backend(backend, device) == "triton":
         from .kernels.row_stats import row_stats_rows as run
     else:
@@ -176,6 +182,45 @@ def local_row_partials(
         dim=1,
     )
     return packed, stats
+
+
+def row_stats_rows_sharded(
+    logits: torch.Tensor,
+    row_request: torch.Tensor,
+    row_position: torch.Tensor,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor,
+    draws: torch.Tensor,
+    *,
+    vocab_start: int,
+    vocab_end: int,
+    group=None,
+    softcap: float | None = None,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    allowed: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> RowStats:
+    """Flat-row statistics (the decode step's ``stats_fn``) computed from one vocabulary slice.
+
+    ``logits`` are the full-vocabulary rows ``[N, V]`` that vLLM hands every rank after its
+    logits gather; this rank reads only columns ``[vocab_start, vocab_end)`` and the ranks
+    merge their partials with one all_gather, so each rank streams ``1 / world`` of the
+    logits. Returns the single-GPU ``RowStats`` (global ids), identical on every rank.
+    """
+    _reject_constraints(top_k=top_k, top_p=top_p, allowed=allowed)
+    local = logits[:, vocab_start:vocab_end]
+    packed, stats = _local_partials_rows(local, row_request, row_position, temperature, seeds,
+                                         draws, vocab_start=vocab_start, softcap=softcap,
+                                         backend=backend)
+    world = world_size_of(group)
+    if world == 1:
+        return stats
+    if logits.shape[0] == 0:
+        return merge_row_partials(packed.unsqueeze(0), packed.new_zeros(0, dtype=torch.bool))
+    gathered = _all_gather_rows(packed, world, group)
+    greedy = (temperature.to(torch.float32) == 0)[row_request.to(torch.int64)]
+    return merge_row_partials(gathered, greedy)
 
 
 def merge_row_partials(gathered: torch.Tensor, greedy: torch.Tensor) -> RowStats:

@@ -333,6 +333,17 @@ def _tp_worker(rank: int, store_dir: str, cases: list[str]) -> None:
                     case["normalizer"], keep=case["keep"], group=group, softcap=case["softcap"],
                     backend=case["soft_backend"])
                 results[name] = (stats.as_tuple(), soft)
+                # The decode step's flat-row form, reading this rank's columns of the full
+                # logits (what every rank holds after vLLM's logits gather).
+                r, w, _ = case["logits"].shape
+                flat = case["logits"].reshape(r * w, VOCAB)
+                request = torch.arange(r, dtype=torch.int32).repeat_interleave(w)
+                position = torch.arange(w, dtype=torch.int32).repeat(r)
+                rows = tp.row_stats_rows_sharded(
+                    flat, request, position, case["temperature"], case["seeds"], case["draws"],
+                    vocab_start=start, vocab_end=end, group=group, softcap=case["softcap"],
+                    backend=case["backend"])
+                results[name + "/rows"] = rows.as_tuple()
             torch.save(results, os.path.join(store_dir, f"world{world}_rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -367,3 +378,14 @@ def test_sharded_step_equals_single_gpu(sharded_results, world, name):
     assert got.argmax.shape == want.argmax.shape
     assert_matches_single_gpu(case, got, want)
     assert_soft_close(first_soft, want_soft, case["keep"])
+
+
+@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("world", sorted(SLICES))
+def test_flat_rows_of_full_logits_equal_sharded_step(sharded_results, world, name):
+    """``row_stats_rows_sharded`` (the step's stats function under TP) gives the same answer."""
+    for rank in sharded_results[world]:
+        stats, _ = rank[name]
+        rows = rank[name + "/rows"]
+        for a, b in zip(stats, rows):
+            assert torch.equal(a.reshape(-1), b.reshape(-1))

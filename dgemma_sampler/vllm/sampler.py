@@ -19,6 +19,7 @@ where it deliberately differs.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -32,6 +33,7 @@ from ..keyed_noise import Stream, random_tokens
 from ..ops import resolve_backend
 from ..sampler import backend_functions
 from ..step import decode_step
+from ..tensor_parallel import row_stats_rows_sharded
 
 
 def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -134,13 +136,23 @@ class FusedDiffusionSampler(_dg.DiffusionSampler):
         elif states.constrained:
             allowed = self._allowed_rows(decode_slots_np, logits.shape[-1], device)
 
+        stats_fn = self.stats_fn
+        if column_tokens is not None:
+            # K << V columns: the oracle is cheap there and keys the noise by token id.
+            stats_fn = reference.row_stats_rows
+        elif self.tp_size > 1 and top_k is None and top_p is None and allowed is None:
+            # Every rank holds the gathered logits: each streams only its own vocabulary
+            # slice and the ranks merge per-row partials with one all_gather.
+            stats_fn = functools.partial(
+                row_stats_rows_sharded, vocab_start=self.sc_vocab_start,
+                vocab_end=self.sc_vocab_end, group=self._tp_device_group(), backend=self.backend)
+
         out = decode_step(
             states, logits, slots, _to_device(starts_np, device), _to_device(valid_np, device),
             _to_device(widths_np, device), W,
             confidence_threshold=self.confidence_threshold, entropy_bound=self.entropy_bound,
             temperature_of=lambda s: self.cfg.temperature(states.step[s]).to(torch.float32),
-            stats_fn=reference.row_stats_rows if column_tokens is not None else self.stats_fn,
-            soft_fn=self.soft_fn, embed_weight=embed, normalizer=self.normalizer,
+            stats_fn=stats_fn, soft_fn=self.soft_fn, embed_weight=embed, normalizer=self.normalizer,
             vocab_size=self.vocab_size, top_k=top_k, top_p=top_p, allowed=allowed,
             column_tokens=column_tokens, vocab_start=vocab_start,
             sc_reduce=self._all_reduce if self.tp_size > 1 else None,
@@ -153,6 +165,11 @@ class FusedDiffusionSampler(_dg.DiffusionSampler):
         self.req_states.draft_tokens[all_slots, :W] = states.canvas[all_slots, :W]
 
     # ------------------------------------------------------------------ helpers
+    def _tp_device_group(self):
+        from vllm.distributed.parallel_state import get_tp_group
+
+        return get_tp_group().device_group
+
     def _all_reduce(self, t: torch.Tensor) -> None:
         t.copy_(torch.ops.vllm.all_reduce(t, group_name=self.tp_group_name))
 
