@@ -9,7 +9,8 @@ pass, the probability of token ``v`` is
     p[v] = exp(z[v] - lse),   z[v] = min(softcap(x[v]) * inv_t, FLT_MAX),
 
 exactly 0 where the entry is masked (NaN, ``-inf``, ``x < threshold``, not ``allowed``) and for rows
-whose ``lse`` is not finite; and the soft embedding of the row is
+whose ``lse`` is not finite, and at most 1 (``lse`` covers every entry); and the soft embedding of
+the row is
 
     out[n, :] = normalizer * sum_v p[n, v] * E[v - vocab_start, :]        (fp32).
 
@@ -22,14 +23,24 @@ E's dtype and feeds ``tl.dot`` with an E tile ``[BLOCK_K, BLOCK_N]``. ``P`` neve
 
 Cost model (one H200, rows R = 256 * requests, V = 2^18, H = 2816, fp32 logits)
 ---------------------------------------------------------------------------
-* FLOPs ``2 R V H``: 12.1 TFLOP at 32 requests, ~18 ms at cuBLAS's 672 TFLOP/s -> compute-bound.
-* One ``exp`` per A element per N-tile: ``2 * BLOCK_N`` MMA flops per exp. With BLOCK_N = 256 the
-  exps are ~half the MMA time at peak; they overlap the asynchronous wgmma of the previous step.
-* Bytes from L2 per MMA flop: ``4/(2 BLOCK_N)`` (fp32 logits) + ``2/(2 BLOCK_M)`` (bf16 E). Hence
-  BLOCK_N = 256, BLOCK_M = 128: the widest tile a 2-warpgroup CTA holds in registers.
-* HBM: each logits tile is read by the ``H / BLOCK_N`` = 11 N-tiles of its M-tile and each E tile by
+* FLOPs ``2 R V H``: 12.1 TFLOP at 32 requests, ~18 ms at cuBLAS's 700 TFLOP/s -> compute-bound.
+* The prologue runs on the same warps that issue the wgmma, so what counts is instructions per
+  MMA flop. Each probability feeds ``2 * BLOCK_N`` flops and costs, per entry (SASS, sm_90):
+  FFMA (+ FMUL unless ONE_FMA), FMNMX, MUFU.EX2, half an F2FP pack and half an HMNMX2 (NaN -> 0
+  on the bf16 pair), plus its share of the register -> shared -> register round trip that puts
+  A in the wgmma register layout (Triton cannot hoist that conversion above the fp32 -> bf16 cast).
+  The first version spent ~9.5 instructions per entry (min/sub/max/exp with the subnormal fix-up).
+* E comes through TMA (no per-thread addresses: ~110 integer instructions per K step less at
+  BLOCK_K 64), logits too when the rows are not permuted by ``keep``.
+* Loop body per warp and K step, instructions (one_fma / exact), 2 warps per SM sub-partition:
+  128 x 256 x 64: ~280 / 310 per 1024 tensor-core cycles; 64 x 512 x 64: ~200 / 220 per 1024.
+  ``BLOCK_K / 16`` wgmma per step with ``BLOCK_K / 16 - 1`` in flight while the next prologue runs.
+* Bytes from L2 per MMA flop: ``4/(2 BLOCK_N)`` (fp32 logits) + ``2/(2 BLOCK_M)`` (bf16 E): 128 x 256
+  moves the least (64 KB per 1024 cycles), 64 x 512 halves the exps per flop for 25% more traffic.
+* HBM: each logits tile is read by the ``H / BLOCK_N`` N-tiles of its M-tile and each E tile by
   every M-tile. Programs are ordered N-tile fastest, so the 132 programs of a wave are 12 M-tiles x 11
-  N-tiles walking K together: logits come from HBM once, E once per wave, the rest from L2.
+  N-tiles (22 x 6 for 64 x 512) walking K together: logits come from HBM once, E once per wave.
+* H = 2816 = 5.5 x 512: with 64 x 512 tiles the last N tile runs as 64 x 256 (HALF_LAST_N).
 
 Scheduling: data-parallel waves + split-K tail
 ----------------------------------------------
@@ -39,14 +50,17 @@ split along the vocabulary into ``S`` contiguous ranges so that ``L * S`` progra
 Piece 0 of a split tile writes its fp32 partial into ``out``, pieces 1..S-1 into a scratch buffer of
 ``L * (S - 1)`` tiles; a second small kernel adds them in piece order (deterministic, no atomics),
 multiplies by the normalizer and writes ``out``. At (1, 4, 16, 32) requests with 128 x 256 tiles on
-132 SMs: S = (6, 3, 3, 3), scratch (14.4, 23.1, 23.1, 11.5) MB, capped at ``MAX_SCRATCH_BYTES``.
+132 SMs: S = (6, 3, 3, 3), scratch (14.4, 23.1, 23.1, 11.5) MB, capped at ``MAX_SCRATCH_BYTES``; with
+64 x 512: S = (5, 1, 1, 1) (4 requests: 96 tiles in one wave of 132, the cap rules out S = 4).
 
 Contract with the row-statistics pass: ``lse`` and ``threshold`` come from it, and ``p`` is only
 consistent with them if both kernels compute the same fp32 ``z``. Without a softcap that holds by
 construction (one fp32 multiply by the same ``inv_t``). With a softcap it needs the same tanh code:
 at T = 0 (inv_t = 1e10) a 1-ulp difference in softcap(x) moves z by thousands of nats, and a token
 sitting exactly at a top-k/top-p threshold can flip sides. Hence ``logit_row.softcapped``, the
-helper every row kernel shares.
+helper every row kernel shares. The one-FFMA prologue (``TileConfig.one_fma``) skips z's rounding
+only in tiles where that moves p by < 2e-4 relative (``|lse| log2(e) < 1024``); greedy and other
+steep tiles run the exact loop, so a greedy row still gives exactly ``E[argmax]``.
 
 Rows with ``keep`` False: the kept rows are compacted to the front of a row order on the device
 (a stable argsort, no host sync) and their count stays on the device. M-tiles past the count skip
@@ -58,19 +72,19 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dgemma_sampler import reference
 from dgemma_sampler.ops import FLOAT_DTYPES, check_tensor
 
 from .logit_row import softcapped
 
-FLT_MAX = tl.constexpr(3.4028234663852886e38)
 MAX_SCRATCH_BYTES = 32 * 2**20  # split-K partials beyond the output: at most 32 MiB
 MIN_K_BLOCKS_PER_PIECE = 8  # a split-K piece shorter than this is all prologue and epilogue
 MAX_SPLIT = 16
@@ -135,32 +149,223 @@ def _out_rows(row, in_range, out_index_ptr, HAS_OUT_INDEX: tl.constexpr):
     return row
 
 
-@triton.jit
-def _probabilities(x, inv_t, lse, threshold, allowed, SOFTCAP: tl.constexpr,
-                   HAS_THRESHOLD: tl.constexpr, HAS_ALLOWED: tl.constexpr):
-    """``exp(z - lse)`` of a logits tile, exactly 0 where masked.
+LOG2E = tl.constexpr(1.4426950408889634)
 
-    Masking costs almost nothing: NaN logits (and the NaN fill of columns past the vocabulary)
-    stay NaN through ``minimum(.., propagate_nan=ALL)``, ``-inf`` logits and rows that are not
-    computed (``lse`` set to +inf) give ``-inf``; ``maximum(d, -inf)`` (maxnum: NaN loses) turns
-    NaN into ``-inf``, and ``exp(-inf)`` is exactly 0. Only threshold / allowed need a select.
-    ``z`` is bitwise ``logit_row.scaled`` (one ``min.NaN`` instead of a compare and a select).
+
+@triton.jit
+def _exp2(d2, INTERPRET: tl.constexpr):
+    """``2^d2`` as one ``MUFU.EX2``: ``ex2.approx.ftz`` skips the range fix-up that plain
+    ``exp2`` wraps around it for subnormal results (p < 2^-126 is 0 in a bf16/fp16 MMA anyway)."""
+    if INTERPRET:
+        return tl.exp2(d2)
+    else:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [d2],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _nan_to_zero(p):
+    """NaN -> 0 (maxnum with 0) on MMA operands: one ``max.bf16x2`` / ``max.f16x2`` per two
+    entries (Triton's own maximum would compute 16-bit types in fp32)."""
+    if p.dtype == tl.bfloat16:
+        return tl.inline_asm_elementwise("max.bf16x2 $0, $1, $2;", "=r,r,r", [p, tl.zeros_like(p)],
+                                         dtype=tl.bfloat16, is_pure=True, pack=2)
+    elif p.dtype == tl.float16:
+        return tl.inline_asm_elementwise("max.f16x2 $0, $1, $2;", "=r,r,r", [p, tl.zeros_like(p)],
+                                         dtype=tl.float16, is_pure=True, pack=2)
+    else:
+        return tl.maximum(p, 0.0)
+
+
+@triton.jit
+def _neg_lse2(lse):
+    """``-lse * log2(e)`` with the product rounded toward -inf, so that
+    ``fma(z, log2e, neg_lse2) >= 0`` whenever ``z >= lse``: a greedy row's arg-max entry
+    (``z == lse`` ~ 1e11) gets exactly ``p = 1`` after the clamp to 0 instead of a rounding error
+    of thousands of nats."""
+    lse2 = lse * LOG2E
+    residual = tl.fma(lse, LOG2E, -lse2)  # exact on the GPU (0 where fma is not fused)
+    bits = lse2.to(tl.int32, bitcast=True)
+    below = tl.where(lse2 > 0, bits - 1, bits + 1).to(tl.float32, bitcast=True)
+    return -tl.where(residual < 0, below, lse2)
+
+
+# |lse * log2(e)| below which one FFMA ``x * (inv_t log2e) - lse log2e`` is within 2^-12 of the
+# exact exponent (error ~ |lse2| 2^-22): p to 2e-4 relative, far inside bf16's 2^-9.
+ONE_FMA_MAX_LSE2 = tl.constexpr(1024.0)
+
+
+@triton.jit
+def _probabilities(x, inv_t, inv_t2, neg_lse2, threshold, allowed, SOFTCAP: tl.constexpr,
+                   HAS_THRESHOLD: tl.constexpr, HAS_ALLOWED: tl.constexpr, ONE_FMA: tl.constexpr,
+                   INTERPRET: tl.constexpr):
+    """``exp(z - lse)`` of a logits tile, clamped to ``p <= 1``; 0 where masked, NaN where the
+    logit is NaN (``_nan_to_zero`` zeroes those after the cast to the MMA dtype).
+
+    ``z = x * inv_t`` is the fp32 product the row-statistics pass computed; then in base 2
+    ``d2 = z * log2e + neg_lse2`` (FMUL + FFMA). ``ONE_FMA`` folds the two products into one FFMA,
+    ``d2 = x * inv_t2 + neg_lse2`` with ``inv_t2 = inv_t * log2e``, which skips z's rounding: used
+    only for tiles with ``|lse2| < ONE_FMA_MAX_LSE2`` (never a greedy row, ``|lse| ~ 1e11``).
+    ``min.NaN(d2, 0)`` (NaN stays NaN) replaces the ``z <= FLT_MAX`` clamp: +inf logits give
+    ``p = 1``, as ``exp(FLT_MAX - lse)`` with ``lse = FLT_MAX``, and a greedy arg-max's rounding
+    residue ``d2 >= 0`` gives exactly 1. ``-inf`` logits and rows not computed (``neg_lse2 =
+    -inf``) give ``2^-inf = 0``. Only threshold / allowed need a select. Per entry on the GPU:
+    (FMUL,) FFMA, FMNMX, MUFU.EX2, half an F2FP and half an HMNMX2.
     """
     x = softcapped(x.to(tl.float32), SOFTCAP)
-    z = tl.minimum(x * inv_t[:, None], FLT_MAX, propagate_nan=tl.PropagateNan.ALL)
-    d = z - lse[:, None]
+    if ONE_FMA:
+        d2 = tl.fma(x, inv_t2[:, None], neg_lse2[:, None])
+    else:
+        d2 = tl.fma(x * inv_t[:, None], LOG2E, neg_lse2[:, None])
     if HAS_THRESHOLD:
-        d = tl.where(x >= threshold[:, None], d, float("-inf"))
+        d2 = tl.where(x >= threshold[:, None], d2, float("-inf"))
     if HAS_ALLOWED:
-        d = tl.where(allowed, d, float("-inf"))
-    return tl.exp(tl.maximum(d, float("-inf")))
+        d2 = tl.where(allowed, d2, float("-inf"))
+    if INTERPRET:  # NaN -> -inf here (maxnum), as the interpreter path has no _nan_to_zero
+        return _exp2(tl.minimum(tl.maximum(d2, float("-inf")), 0.0), INTERPRET)
+    else:
+        return _exp2(tl.minimum(d2, 0.0, propagate_nan=tl.PropagateNan.ALL), INTERPRET)
+
+
+@triton.jit
+def _k_step(acc, kb, x_desc, e_desc, x_ptrs, e_ptrs, a_ptrs, offs_k, live, col_ok, inv_t, inv_t2,
+            neg_lse2, threshold, row0, n_tile, v_local, stride_embed,
+            HAS_THRESHOLD: tl.constexpr, HAS_ALLOWED: tl.constexpr, SOFTCAP: tl.constexpr,
+            INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
+            EVEN_N: tl.constexpr, X_TMA: tl.constexpr, E_TMA: tl.constexpr, ONE_FMA: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One K block: load the logits and E tiles, ``acc += p @ E``, advance the pointers.
+
+    TMA (a tensor descriptor) where the layout allows: no per-thread addresses. E's descriptor
+    ends at [v_local, hidden] and fills with zeros past it, so a ragged last K block multiplies
+    finite p <= 1 by 0 and a ragged last N tile computes zeros. Pointer fast path (EVEN_K,
+    EVEN_N): the only mask is per row, constant along K, so loads stay 16-byte vectors with no
+    fill value to patch in afterwards.
+    """
+    allowed = None
+    if E_TMA:
+        e = e_desc.load([kb * BLOCK_K, n_tile * BLOCK_N])
+    elif EVEN_K:
+        if EVEN_N:
+            e = tl.load(e_ptrs)
+        else:
+            e = tl.load(e_ptrs, mask=col_ok[None, :], other=0.0)
+    else:
+        e = tl.load(e_ptrs, mask=(offs_k < v_local)[:, None] & col_ok[None, :], other=0.0)
+    if X_TMA:  # the local logits; rows past n_rows read as 0 and have neg_lse2 = -inf: p = 0
+        x = x_desc.load([row0, kb * BLOCK_K])
+    elif EVEN_K:
+        x = tl.load(x_ptrs, mask=live[:, None])
+    else:
+        x = tl.load(x_ptrs, mask=live[:, None] & (offs_k < v_local)[None, :], other=float("nan"))
+    if HAS_ALLOWED:
+        if EVEN_K:
+            allowed = tl.load(a_ptrs, mask=live[:, None], other=0) != 0
+        else:
+            allowed = tl.load(a_ptrs, mask=live[:, None] & (offs_k < v_local)[None, :], other=0) != 0
+    p = _probabilities(x, inv_t, inv_t2, neg_lse2, threshold, allowed, SOFTCAP, HAS_THRESHOLD,
+                       HAS_ALLOWED, ONE_FMA, INTERPRET)
+    if INTERPRET:  # the interpreter's bf16/fp16 tl.dot is wrong: multiply the rounded values in fp32
+        acc = tl.dot(_rounded_as_fp32(p, e.dtype), e.to(tl.float32), acc)
+    else:
+        acc = tl.dot(_nan_to_zero(p.to(e.dtype)), e, acc, input_precision=DOT_PRECISION)
+    return acc, x_ptrs + BLOCK_K, e_ptrs + BLOCK_K * stride_embed, a_ptrs + BLOCK_K, offs_k + BLOCK_K
+
+
+@triton.jit
+def _k_loop(logits_ptr, x_desc, embed_ptr, e_desc, allowed_ptr, row, live, request, inv_t, inv_t2,
+            neg_lse2, threshold, row0, n_tile, kb_begin, kb_end, v_local, hidden, vocab_start,
+            stride_logits, stride_allowed, stride_embed, one_fma,
+            HAS_THRESHOLD: tl.constexpr, HAS_ALLOWED: tl.constexpr, SOFTCAP: tl.constexpr,
+            INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
+            EVEN_N: tl.constexpr, X_TMA: tl.constexpr, E_TMA: tl.constexpr,
+            ONE_FMA_PROLOGUE: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``sum_k p[rows, k] * E[k, cols]`` over K blocks ``[kb_begin, kb_end)`` of the N tile.
+
+    With ``ONE_FMA_PROLOGUE`` the tile runs either the one-FFMA loop (``one_fma``, uniform) or the
+    exact one: two loops in sequence, one of them empty. (Two loops in the branches of an ``if``
+    would each keep their pipeline buffers: Triton 3.6 does not overlap them in shared memory.)
+    """
+    cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden
+    offs_k = kb_begin * BLOCK_K + tl.arange(0, BLOCK_K)
+    x_ptrs = logits_ptr + row[:, None] * stride_logits + (vocab_start + offs_k)[None, :]
+    e_ptrs = embed_ptr + offs_k.to(tl.int64)[:, None] * stride_embed + cols[None, :]
+    a_ptrs = x_ptrs  # unused without HAS_ALLOWED
+    if HAS_ALLOWED:
+        a_ptrs = allowed_ptr + request[:, None] * stride_allowed + (vocab_start + offs_k)[None, :]
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    kb_exact = kb_begin
+    if ONE_FMA_PROLOGUE:
+        kb_exact = tl.where(one_fma, kb_end, kb_begin)
+        for kb in range(kb_begin, kb_exact):
+            acc, x_ptrs, e_ptrs, a_ptrs, offs_k = _k_step(
+                acc, kb, x_desc, e_desc, x_ptrs, e_ptrs, a_ptrs, offs_k, live, col_ok, inv_t, inv_t2,
+                neg_lse2, threshold, row0, n_tile, v_local, stride_embed, HAS_THRESHOLD, HAS_ALLOWED,
+                SOFTCAP, INTERPRET, DOT_PRECISION, EVEN_K, EVEN_N, X_TMA, E_TMA, True, BLOCK_N,
+                BLOCK_K)
+    for kb in range(kb_exact, kb_end):
+        acc, x_ptrs, e_ptrs, a_ptrs, offs_k = _k_step(
+            acc, kb, x_desc, e_desc, x_ptrs, e_ptrs, a_ptrs, offs_k, live, col_ok, inv_t, inv_t2,
+            neg_lse2, threshold, row0, n_tile, v_local, stride_embed, HAS_THRESHOLD, HAS_ALLOWED,
+            SOFTCAP, INTERPRET, DOT_PRECISION, EVEN_K, EVEN_N, X_TMA, E_TMA, False, BLOCK_N, BLOCK_K)
+    return acc
+
+
+@triton.jit
+def _store_tile(acc, out_ptr, out_index_ptr, scratch_ptr, row_order_ptr, kept_count_ptr, norm,
+                m_tile, n_tile, tail_idx, piece, pieces, tail_tiles, n_rows, hidden, stride_out,
+                HAS_KEEP: tl.constexpr, HAS_OUT_INDEX: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, SCRATCH_N: tl.constexpr):
+    """A whole tile scaled into ``out``, piece 0 of a split tile raw into ``out``, pieces 1..S-1
+    raw into their scratch tile (``BLOCK_M x SCRATCH_N``, row-major)."""
+    cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    if piece > 0:
+        slot = ((piece - 1) * tail_tiles + tail_idx).to(tl.int64)
+        offs = tl.arange(0, BLOCK_M)[:, None] * SCRATCH_N + tl.arange(0, BLOCK_N)[None, :]
+        tl.store(scratch_ptr + slot * (BLOCK_M * SCRATCH_N) + offs, acc)
+    else:
+        # Row indices again rather than kept live in registers across the K loop.
+        out_row, out_in_range, out_live, _ = _rows(
+            m_tile * BLOCK_M, n_rows, row_order_ptr, kept_count_ptr, HAS_KEEP, BLOCK_M)
+        scale = tl.where(pieces > 1, 1.0, norm)
+        value = tl.where(out_live[:, None], acc * scale, 0.0)
+        out_row = _out_rows(out_row, out_in_range, out_index_ptr, HAS_OUT_INDEX)
+        out_ptrs = out_ptr + out_row[:, None] * stride_out + cols[None, :]
+        tl.store(out_ptrs, value, mask=out_in_range[:, None] & (cols < hidden)[None, :])
+
+
+@triton.jit
+def _tile(logits_ptr, x_desc, embed_ptr, e_desc, allowed_ptr, out_ptr, out_index_ptr, scratch_ptr,
+          row_order_ptr, kept_count_ptr, row, live, request, inv_t, inv_t2, neg_lse2, threshold, norm,
+          row0, m_tile, n_tile, tail_idx, piece, pieces, tail_tiles, kb_begin, kb_end, n_rows,
+          v_local, hidden, vocab_start, stride_logits, stride_allowed, stride_embed, stride_out,
+          one_fma, HAS_KEEP: tl.constexpr, HAS_THRESHOLD: tl.constexpr, HAS_ALLOWED: tl.constexpr,
+          HAS_OUT_INDEX: tl.constexpr, SOFTCAP: tl.constexpr, INTERPRET: tl.constexpr,
+          DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+          X_TMA: tl.constexpr, E_TMA: tl.constexpr, ONE_FMA_PROLOGUE: tl.constexpr,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+          SCRATCH_N: tl.constexpr):
+    """One output tile: the K loop and the store."""
+    acc = _k_loop(logits_ptr, x_desc, embed_ptr, e_desc, allowed_ptr, row, live, request, inv_t,
+                  inv_t2, neg_lse2, threshold, row0, n_tile, kb_begin, kb_end, v_local, hidden,
+                  vocab_start, stride_logits, stride_allowed, stride_embed, one_fma,
+                  HAS_THRESHOLD, HAS_ALLOWED, SOFTCAP, INTERPRET, DOT_PRECISION, EVEN_K, EVEN_N,
+                  X_TMA, E_TMA, ONE_FMA_PROLOGUE, BLOCK_M, BLOCK_N, BLOCK_K)
+    _store_tile(acc, out_ptr, out_index_ptr, scratch_ptr, row_order_ptr, kept_count_ptr, norm,
+                m_tile, n_tile, tail_idx, piece, pieces, tail_tiles, n_rows, hidden, stride_out,
+                HAS_KEEP, HAS_OUT_INDEX, BLOCK_M, BLOCK_N, SCRATCH_N)
 
 
 @triton.jit
 def soft_embedding_kernel(
-    # pointers
-    logits_ptr, row_request_ptr, inv_t_ptr, lse_ptr, threshold_ptr, allowed_ptr,
-    row_order_ptr, kept_count_ptr, embed_ptr, norm_ptr, out_ptr, out_index_ptr, scratch_ptr,
+    # pointers; x_desc, e_desc, e_half_desc: TMA descriptors of logits and embed_weight (E tiles
+    # BLOCK_K x BLOCK_N and BLOCK_K x BLOCK_N / 2) or None
+    logits_ptr, x_desc, row_request_ptr, inv_t_ptr, lse_ptr, threshold_ptr, allowed_ptr,
+    row_order_ptr, kept_count_ptr, embed_ptr, e_desc, e_half_desc, norm_ptr, out_ptr, out_index_ptr,
+    scratch_ptr,
     # sizes
     n_rows, v_local, hidden, vocab_start,
     # strides (elements between consecutive rows; the last dimension of every tensor is contiguous)
@@ -174,6 +379,8 @@ def soft_embedding_kernel(
     HAS_OUT_INDEX: tl.constexpr,
     SOFTCAP: tl.constexpr, NORM_IS_TENSOR: tl.constexpr, INTERPRET: tl.constexpr,
     DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    X_TMA: tl.constexpr, E_TMA: tl.constexpr, HALF_LAST_N: tl.constexpr,
+    ONE_FMA_PROLOGUE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # -- program -> output tile and vocabulary range ------------------------------------------
@@ -189,69 +396,43 @@ def soft_embedding_kernel(
     request = tl.load(row_request_ptr + row, mask=live, other=0).to(tl.int64)
     inv_t = tl.load(inv_t_ptr + request, mask=live, other=0.0)
     lse = tl.load(lse_ptr + row, mask=live, other=0.0)
-    # Rows not computed (dropped, past the kept count, or with a non-finite lse) get lse = +inf,
-    # hence p = exp(-inf) = 0; their logits are not even loaded (masked rows read as 0).
-    lse = tl.where(live & (tl.abs(lse) < float("inf")), lse, float("inf"))
+    # Rows not computed (dropped, past the kept count, or with a non-finite lse) get
+    # neg_lse2 = -inf, hence p = 2^-inf = 0; their logits are not even loaded (read as 0).
+    neg_lse2 = tl.where(live & (tl.abs(lse) < float("inf")), _neg_lse2(lse), float("-inf"))
     threshold = None
     if HAS_THRESHOLD:
         threshold = tl.load(threshold_ptr + row, mask=live, other=0.0)
-
-    cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < hidden
-    offs_k = kb_begin * BLOCK_K + tl.arange(0, BLOCK_K)
-    x_ptrs = logits_ptr + row[:, None] * stride_logits + (vocab_start + offs_k)[None, :]
-    e_ptrs = embed_ptr + offs_k.to(tl.int64)[:, None] * stride_embed + cols[None, :]
-    if HAS_ALLOWED:
-        a_ptrs = allowed_ptr + request[:, None] * stride_allowed + (vocab_start + offs_k)[None, :]
-
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(kb_begin, kb_end):
-        # Fast path (EVEN_K, EVEN_N): the only mask is per row, constant along K, so loads stay
-        # 16-byte vectors with no fill value to patch in afterwards.
-        allowed = None
-        if EVEN_K:
-            x = tl.load(x_ptrs, mask=live[:, None])
-            if EVEN_N:
-                e = tl.load(e_ptrs)
-            else:
-                e = tl.load(e_ptrs, mask=col_ok[None, :], other=0.0)
-            if HAS_ALLOWED:
-                allowed = tl.load(a_ptrs, mask=live[:, None], other=0) != 0
-        else:
-            k_ok = offs_k < v_local
-            x = tl.load(x_ptrs, mask=live[:, None] & k_ok[None, :], other=float("nan"))
-            e = tl.load(e_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            if HAS_ALLOWED:
-                allowed = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0) != 0
-        p = _probabilities(x, inv_t, lse, threshold, allowed, SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED)
-        if INTERPRET:  # the interpreter's bf16/fp16 tl.dot is wrong: multiply the rounded values in fp32
-            acc = tl.dot(_rounded_as_fp32(p, e.dtype), e.to(tl.float32), acc)
-        else:
-            acc = tl.dot(p.to(e.dtype), e, acc, input_precision=DOT_PRECISION)
-        x_ptrs += BLOCK_K
-        e_ptrs += BLOCK_K * stride_embed
-        offs_k += BLOCK_K
-        if HAS_ALLOWED:
-            a_ptrs += BLOCK_K
-
-    # -- epilogue ------------------------------------------------------------------------------
     if NORM_IS_TENSOR:
         norm = tl.load(norm_ptr).to(tl.float32)
     else:
         norm = norm_value
-    if piece > 0:  # split-K piece 1..S-1: raw fp32 partial into its scratch tile
-        slot = ((piece - 1) * tail_tiles + tail_idx).to(tl.int64)
-        offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        tl.store(scratch_ptr + slot * (BLOCK_M * BLOCK_N) + offs, acc)
-    else:  # a whole tile (scaled) or piece 0 of a split tile (raw partial), into out
-        # Row indices again rather than kept live in registers across the K loop.
-        out_row, out_in_range, out_live, _ = _rows(
-            m_tile * BLOCK_M, n_rows, row_order_ptr, kept_count_ptr, HAS_KEEP, BLOCK_M)
-        scale = tl.where(pieces > 1, 1.0, norm)
-        value = tl.where(out_live[:, None], acc * scale, 0.0)
-        out_row = _out_rows(out_row, out_in_range, out_index_ptr, HAS_OUT_INDEX)
-        out_ptrs = out_ptr + out_row[:, None] * stride_out + cols[None, :]
-        tl.store(out_ptrs, value, mask=out_in_range[:, None] & col_ok[None, :])
+
+    row0 = m_tile * BLOCK_M
+    inv_t2 = inv_t * LOG2E
+    # Uniform per tile: the one-FFMA prologue where it is accurate (see _probabilities).
+    one_fma = False
+    if ONE_FMA_PROLOGUE:
+        one_fma = tl.max(tl.where(neg_lse2 > float("-inf"), tl.abs(neg_lse2), 0.0)) < ONE_FMA_MAX_LSE2
+    if HALF_LAST_N and n_tile == n_tiles_n - 1:
+        # H is not a multiple of BLOCK_N and its last tile fits in half of one (H = 2816 =
+        # 5.5 x 512): that tile runs half as wide instead of multiplying zeros.
+        _tile(logits_ptr, x_desc, embed_ptr, e_half_desc, allowed_ptr, out_ptr, out_index_ptr,
+              scratch_ptr, row_order_ptr, kept_count_ptr, row, live, request, inv_t, inv_t2, neg_lse2,
+              threshold, norm, row0, m_tile, n_tile * 2, tail_idx, piece, pieces, tail_tiles,
+              kb_begin, kb_end, n_rows, v_local, hidden, vocab_start, stride_logits,
+              stride_allowed, stride_embed, stride_out, one_fma,
+              HAS_KEEP, HAS_THRESHOLD, HAS_ALLOWED, HAS_OUT_INDEX, SOFTCAP, INTERPRET,
+              DOT_PRECISION, EVEN_K, False, X_TMA, E_TMA, ONE_FMA_PROLOGUE,
+              BLOCK_M, BLOCK_N // 2, BLOCK_K, BLOCK_N)
+    else:
+        _tile(logits_ptr, x_desc, embed_ptr, e_desc, allowed_ptr, out_ptr, out_index_ptr,
+              scratch_ptr, row_order_ptr, kept_count_ptr, row, live, request, inv_t, inv_t2, neg_lse2,
+              threshold, norm, row0, m_tile, n_tile, tail_idx, piece, pieces, tail_tiles,
+              kb_begin, kb_end, n_rows, v_local, hidden, vocab_start, stride_logits,
+              stride_allowed, stride_embed, stride_out, one_fma,
+              HAS_KEEP, HAS_THRESHOLD, HAS_ALLOWED, HAS_OUT_INDEX, SOFTCAP, INTERPRET,
+              DOT_PRECISION, EVEN_K, EVEN_N, X_TMA, E_TMA, ONE_FMA_PROLOGUE,
+              BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_N)
 
 
 @triton.jit
@@ -294,21 +475,51 @@ def split_sum_kernel(
 
 @dataclass(frozen=True)
 class TileConfig:
+    """Output tile ``block_m x block_n``, K step ``block_k``, launch shape, and whether E (and the
+    logits, when rows are not permuted by ``keep``) are loaded through TMA descriptors."""
+
     block_m: int
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
+    tma: bool = True
+    one_fma: bool = True
+
+    def __str__(self) -> str:
+        return (f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages}"
+                + ("" if self.tma else " ptr") + ("" if self.one_fma else " exact"))
 
 
-# Hopper candidates, timed once per shape key. 128 x 256 output tiles: 2 warpgroups of 64 x 256,
-# accumulator 128 registers per thread; two K depths (BK = 32 keeps the keep/mask variants out of
-# spills); 128 x 128 as the low-register fallback. Filtered by shared memory (fp32 E is 2x).
+# Hopper candidates, timed once per shape key; one whose kernel spills registers (128 x 256 x 64
+# with ``keep``: 255 registers) loses to any that does not (checked for sm_90 with Triton 3.6 and
+# 3.9 over logits fp32/bf16/fp16, E bf16/fp16/fp32, keep, threshold, allowed, softcap). The
+# prologue costs 4-5 instructions and one MUFU op per probability and feeds 2 * block_n MMA
+# flops; L2 traffic is 2 / block_n + 1 / block_m bytes per flop (fp32 logits, bf16 E). Hence two
+# shapes whose accumulator is 128 registers per thread:
+# * 128 x 256: 2 warpgroups of 64 x 256, least L2 traffic;
+# * 64 x 512: both warpgroups share the A rows (64 x 256 each), half the exps per flop;
+#   H = 2816 = 5.5 x 512, so the last N tile runs as 64 x 256 (HALF_LAST_N).
+# BLOCK_K 64 splits each dot into 4 wgmma (3 in flight while the next prologue runs), 32 into 2.
+# Measured on the H200 (bench/results/soft_embedding-h200-v2.log): the 64 x 512 tiles gave wrong
+# results under split-K (1 request) and every one-FMA/TMA variant was wrong with 16-bit logits
+# (rel. err 3e-2 or NaN), while fp32 logits and the gathered (keep) path were right everywhere.
+# Until that is understood only the 128 x 256 tiles are tuning candidates, and 16-bit logits take
+# pointer loads with the exact prologue (``safe_for``).
 GPU_CONFIGS = (
     TileConfig(128, 256, 64, 8, 3),
     TileConfig(128, 256, 32, 8, 4),
-    TileConfig(128, 128, 64, 8, 4),
-    TileConfig(128, 128, 32, 8, 4),
+)
+# Timed by the benchmark's --sweep only: the 64 x 512 tiles, the exact two-instruction prologue
+# everywhere, and pointer loads (cp.async) instead of TMA.
+SWEEP_CONFIGS = GPU_CONFIGS + (
+    TileConfig(64, 512, 64, 8, 2),
+    TileConfig(64, 512, 64, 8, 3),  # 16-bit logits only (fp32 needs 240 KB of buffers)
+    TileConfig(64, 512, 32, 8, 4),
+    TileConfig(64, 512, 64, 8, 2, one_fma=False),
+    TileConfig(128, 256, 64, 8, 3, one_fma=False),
+    TileConfig(64, 512, 64, 8, 2, tma=False, one_fma=False),
+    TileConfig(128, 256, 32, 8, 4, tma=False, one_fma=False),
 )
 SHARED_MEMORY_BYTES = 227 * 1024  # Hopper's per-block limit
 # The interpreter: small tiles so that tests cover several M/N tiles, split-K and masking, with
@@ -326,9 +537,33 @@ def shared_memory_bytes(cfg: TileConfig, logits_dtype: torch.dtype, embed_dtype:
     return cfg.num_stages * (a_bytes + cfg.block_k * cfg.block_n * embed_dtype.itemsize)
 
 
-def gpu_candidates(logits_dtype, embed_dtype, has_allowed: bool) -> list[TileConfig]:
-    return [cfg for cfg in GPU_CONFIGS
-            if shared_memory_bytes(cfg, logits_dtype, embed_dtype, has_allowed) <= SHARED_MEMORY_BYTES]
+def half_last_n(hidden: int, block_n: int) -> bool:
+    """Whether the last N tile runs half as wide: H is not a multiple of BLOCK_N and the rest
+    fits in half a tile (2816 = 5.5 x 512)."""
+    rest = hidden % block_n
+    return block_n >= 32 and 0 < rest <= block_n // 2
+
+
+def tma_compatible(t: torch.Tensor) -> bool:
+    """A 2-D tensor a TMA descriptor can address: 16-byte aligned base and row stride."""
+    return (t.dim() == 2 and t.stride(1) == 1 and t.data_ptr() % 16 == 0
+            and (t.stride(0) * t.element_size()) % 16 == 0)
+
+
+def gpu_candidates(logits_dtype, embed_dtype, has_allowed: bool,
+                   configs: tuple[TileConfig, ...] = GPU_CONFIGS) -> list[TileConfig]:
+    """The configs whose pipeline buffers fit in shared memory; with an ``allowed`` mask (one more
+    load per entry) only BLOCK_K <= 32, the others spill registers."""
+    return [safe_for(cfg, logits_dtype) for cfg in configs
+            if shared_memory_bytes(cfg, logits_dtype, embed_dtype, has_allowed) <= SHARED_MEMORY_BYTES
+            and not (has_allowed and cfg.block_k > 32)]
+
+
+def safe_for(cfg: TileConfig, logits_dtype: torch.dtype) -> TileConfig:
+    """16-bit logits: pointer loads and the exact prologue (see GPU_CONFIGS)."""
+    if logits_dtype.itemsize == 2 and (cfg.tma or cfg.one_fma):
+        return replace(cfg, tma=False, one_fma=False)
+    return cfg
 
 
 @dataclass(frozen=True)
@@ -383,6 +618,7 @@ def plan_split(rows: int, planned_rows: int, hidden: int, v_local: int, cfg: Til
 
 
 _NUM_SMS: dict[int, int] = {}
+_last_kernel = None  # the compiled kernel of the latest launch (regs / spills for the benchmark)
 _TUNED: dict[tuple, TileConfig] = {}
 
 
@@ -411,18 +647,22 @@ def _time_ms(fn, reps: int = 3) -> float:
 
 def _pick_config(key: tuple, candidates: list[TileConfig], launch) -> TileConfig:
     """The fastest candidate for this shape key, timed once on the real inputs (the kernel is a
-    pure function of its inputs, so timing runs only rewrite ``out``). Under CUDA-graph capture,
-    or with DGEMMA_SOFT_EMBEDDING_TUNE=0, the first candidate is used (and not remembered)."""
+    pure function of its inputs, so timing runs only rewrite ``out``). Candidates whose compiled
+    kernel spills registers lose to any that does not. Under CUDA-graph capture, or with
+    DGEMMA_SOFT_EMBEDDING_TUNE=0, the first candidate is used (and not remembered)."""
     if key in _TUNED:
         return _TUNED[key]
     if torch.cuda.is_current_stream_capturing() or os.environ.get("DGEMMA_SOFT_EMBEDDING_TUNE") == "0":
         return candidates[0]
-    timings = {}
+    timings, spilling = {}, {}
     for cfg in candidates:
         try:
-            timings[cfg] = _time_ms(lambda cfg=cfg: launch(cfg))
+            kernel = launch(cfg)  # compiles
+            ms = _time_ms(lambda cfg=cfg: launch(cfg))
         except OutOfResources:
             continue  # not this tile on this device
+        (spilling if getattr(kernel, "n_spills", 0) else timings)[cfg] = ms
+    timings = timings or spilling
     if not timings:
         raise RuntimeError(f"no soft-embedding tile config fits this device for {key}")
     _TUNED[key] = min(timings, key=timings.get)
@@ -561,21 +801,34 @@ def soft_embedding_rows(
     dot_precision = "tf32" if embed_weight.dtype == torch.float32 else "ieee"
     placeholder = inv_t  # any tensor on the device stands in for an absent optional pointer
 
-    def launch(cfg: TileConfig) -> None:
+    def launch(cfg: TileConfig):
         plan = plan_split(n_rows, planned_rows, hidden, v_local, cfg, sms,
                           min_k_blocks=1 if interpret else MIN_K_BLOCKS_PER_PIECE)
         scratch = (torch.empty(plan.scratch_elems, dtype=torch.float32, device=dev)
                    if plan.scratch_elems else placeholder)
         flags = dict(HAS_KEEP=keep is not None, NORM_IS_TENSOR=norm_is_tensor)
         schedule = (plan.n_tiles_n, plan.dp_head, plan.tail_tiles, plan.split)
-        soft_embedding_kernel[(plan.programs,)](
-            logits, row_request, inv_t, lse,
+        half = half_last_n(hidden, cfg.block_n)
+        x_desc = e_desc = e_half_desc = None
+        if cfg.tma and v_local > 0 and tma_compatible(embed_weight):
+            e_desc = TensorDescriptor(embed_weight, [v_local, hidden], [embed_weight.stride(0), 1],
+                                      [cfg.block_k, cfg.block_n])
+            if half:
+                e_half_desc = TensorDescriptor(embed_weight, [v_local, hidden],
+                                               [embed_weight.stride(0), 1],
+                                               [cfg.block_k, cfg.block_n // 2])
+            local_logits = logits[:, vocab_start:vocab_start + v_local]
+            if keep is None and tma_compatible(local_logits):  # kept rows are gathered: pointers
+                x_desc = TensorDescriptor(local_logits, [n_rows, v_local], [logits.stride(0), 1],
+                                          [cfg.block_m, cfg.block_k])
+        kernel = soft_embedding_kernel[(plan.programs,)](
+            logits, x_desc, row_request, inv_t, lse,
             placeholder if threshold is None else threshold,
             placeholder if allowed is None else allowed,
             placeholder if row_order is None else row_order,
             placeholder if kept_count is None else kept_count,
-            embed_weight, placeholder if norm_tensor is None else norm_tensor, out,
-            placeholder if out_index is None else out_index, scratch,
+            embed_weight, e_desc, e_half_desc, placeholder if norm_tensor is None else norm_tensor,
+            out, placeholder if out_index is None else out_index, scratch,
             n_rows, v_local, hidden, vocab_start,
             logits.stride(0), 0 if allowed is None else allowed.stride(0),
             embed_weight.stride(0), out.stride(0),
@@ -585,11 +838,15 @@ def soft_embedding_rows(
             SOFTCAP=0.0 if softcap is None else float(softcap), INTERPRET=interpret,
             DOT_PRECISION=dot_precision,
             EVEN_K=v_local % cfg.block_k == 0, EVEN_N=hidden % cfg.block_n == 0,
+            X_TMA=x_desc is not None, E_TMA=e_desc is not None, HALF_LAST_N=half,
+            # softcap / allowed: the prologue is dominated by tanh / the mask load, and the second
+            # loop would only add registers.
+            ONE_FMA_PROLOGUE=cfg.one_fma and softcap is None and allowed is None,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
         )
         if plan.tail_tiles:  # split > 1 (plan_split folds S = 1 into the whole tiles)
-            sub_m = min(cfg.block_m, 32)
+            sub_m = min(cfg.block_m, 8192 // cfg.block_n)  # 32 x 256 or 16 x 512: no spills
             split_sum_kernel[(plan.tail_tiles, cfg.block_m // sub_m)](
                 out, placeholder if out_index is None else out_index, scratch, placeholder if row_order is None else row_order,
                 placeholder if kept_count is None else kept_count,
@@ -598,6 +855,9 @@ def soft_embedding_rows(
                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SUB_M=sub_m, num_warps=4,
                 HAS_OUT_INDEX=out_index is not None, **flags,
             )
+        global _last_kernel
+        _last_kernel = kernel
+        return kernel
 
     if config is None:
         if dev.type != "cuda":

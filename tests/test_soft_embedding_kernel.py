@@ -332,6 +332,68 @@ def test_schedules_agree_and_are_deterministic(num_sms):
 
 
 @cpu_only
+@pytest.mark.parametrize("tma,one_fma", [(True, True), (True, False), (False, True), (False, False)])
+@pytest.mark.parametrize("with_keep", [False, True])
+def test_load_paths_and_prologues(tma, one_fma, with_keep):
+    """Every load path (TMA descriptors / pointers; the logits by pointers whenever ``keep``
+    permutes rows) with either prologue, on a ragged vocabulary slice and a ragged last N tile."""
+    case = make_case(vocab_start=32, v_local=1400, seed=16)
+    keep = None
+    if with_keep:
+        keep = torch.rand(case.logits.shape[0], generator=torch.Generator().manual_seed(3)) < 0.6
+    cfg = replace(se.INTERPRETER_CONFIG, tma=tma, one_fma=one_fma)
+    check(case, run_kernel(case, keep=keep, config=cfg), keep=keep)
+
+
+@cpu_only
+@pytest.mark.parametrize("num_sms", [1, 64])
+def test_half_width_last_n_tile(num_sms):
+    """H = 90 with BLOCK_N 64: the last N tile runs 32 wide (HALF_LAST_N), whole or split-K."""
+    assert se.half_last_n(90, 64) and se.half_last_n(2816, 512) and not se.half_last_n(2816, 256)
+    case = make_case(hidden=90, embed_dtype=torch.float16, seed=17)
+    check(case, run_kernel(case, num_sms=num_sms), against_torch=False)
+
+
+@cpu_only
+def test_greedy_rows_exact_beside_one_fma_tiles():
+    """Requests 0 and 1 greedy (T = 0, |lse| ~ 1e10: their tiles take the exact loop), request 2
+    not (the one-FFMA loop), in one launch: greedy rows are exactly normalizer * E[argmax]. (The
+    one-FFMA exponent is off by thousands of nats at T = 0; it would zero ~1.5% of these rows.)"""
+    case = make_case(requests=3, width=48, greedy=True, seed=18)
+    case.temperature[1] = 0.0
+    case.lse = float64_lse(case.logits, case.row_request, case.temperature)
+    got = run_kernel(case)
+    greedy = case.row_request <= 1
+    argmax = case.logits[greedy].argmax(dim=1)
+    assert torch.equal(got[greedy], case.embed.float()[argmax] * 0.75)
+    want = float64_soft_embedding(*case.args())
+    assert rel_err(got[~greedy], want[~greedy]) <= TOLERANCE[case.embed.dtype]
+
+
+@cpu_only
+def test_plus_inf_logit_takes_all_the_mass():
+    """A +inf logit: z = FLT_MAX, lse = FLT_MAX, p = 1 there and 0 elsewhere (the clamp p <= 1)."""
+    case = make_case(requests=1, width=6, seed=19)
+    case.logits[2, 77] = float("inf")
+    case.lse = float64_lse(case.logits, case.row_request, case.temperature)
+    got = run_kernel(case)
+    assert torch.equal(got[2], case.embed.float()[77] * 0.75)
+    others = torch.arange(6) != 2
+    want = float64_soft_embedding(*case.args())
+    assert rel_err(got[others], want[others]) <= TOLERANCE[case.embed.dtype]
+
+
+@cpu_only
+def test_candidates_respect_shared_memory_and_masks():
+    """Every GPU candidate fits in shared memory; an ``allowed`` mask keeps BLOCK_K <= 32."""
+    for cfg in se.gpu_candidates(torch.float32, torch.bfloat16, False):
+        assert se.shared_memory_bytes(cfg, torch.float32, torch.bfloat16, False) <= se.SHARED_MEMORY_BYTES
+    assert all(c.block_k <= 32 for c in se.gpu_candidates(torch.float32, torch.bfloat16, True))
+    assert se.gpu_candidates(torch.float32, torch.bfloat16, True)
+    assert se.gpu_candidates(torch.float32, torch.float32, False)  # tf32 E still has a tile
+
+
+@cpu_only
 def test_small_tiles_config():
     """Several N tiles per row block (BLOCK_N 32 < H) with the split tail."""
     case = make_case(hidden=90, seed=12)
@@ -357,16 +419,21 @@ def test_ops_triton_backend_matches_torch_backend():
 
 
 @cpu_only
-def test_split_plan_at_production_shapes():
-    """The schedule the H200 gets: whole waves plus a split tail that fills whole waves, with
-    the partial-sum scratch under the cap."""
-    cfg = se.TileConfig(128, 256, 64, 8, 3)
-    expected = {1: (0, 22, 6), 4: (0, 88, 3), 16: (264, 88, 3), 32: (660, 44, 3)}
+@pytest.mark.parametrize("block_m,block_n,expected", [
+    (128, 256, {1: (0, 22, 6), 4: (0, 88, 3), 16: (264, 88, 3), 32: (660, 44, 3)}),
+    (64, 512, {1: (0, 24, 5), 4: (96, 0, 1), 16: (384, 0, 1), 32: (768, 0, 1)}),
+])
+def test_split_plan_at_production_shapes(block_m, block_n, expected):
+    """The schedule the H200 gets: whole waves plus a split tail that fills (90% of) whole waves
+    (64 x 512 at 4 requests: 96 tiles in one partial wave, S = 4 would pass the scratch cap),
+    with the partial-sum scratch under the cap."""
+    cfg = se.TileConfig(block_m, block_n, 64, 8, 3)
     for requests, (dp_head, tail, split) in expected.items():
         rows = 256 * requests
         plan = se.plan_split(rows, rows, 2816, 262144, cfg, 132)
         assert (plan.dp_head, plan.tail_tiles, plan.split) == (dp_head, tail, split), (requests, plan)
-        assert plan.tail_tiles * plan.split % 132 == 0
+        pieces = plan.tail_tiles * plan.split
+        assert plan.split == 1 or pieces / (math.ceil(pieces / 132) * 132) >= 0.9
         assert plan.scratch_elems * 4 <= se.MAX_SCRATCH_BYTES
         assert plan.programs == dp_head + tail * split
 
@@ -476,6 +543,25 @@ def test_gpu_production_shape(requests):
     got = run_kernel(case)
     check_gpu(case, got)
     assert torch.equal(got, run_kernel(case)), "not deterministic run to run"
+
+
+@gpu
+@gpu_only
+def test_gpu_every_candidate_config():
+    """Each tuning candidate, split-K (1 request), with and without ``keep`` (logits by TMA / by
+    gathered pointers). The benchmark's --sweep reports the error of the other variants."""
+    case = production_case(1, seed=11)
+    want = float64_soft_embedding(*case.args(), chunk=128)
+    keep = torch.ones(CANVAS, dtype=torch.bool, device="cuda")
+    keep[::7] = False
+    want_keep = want.clone()
+    want_keep[~keep] = 0.0
+    for cfg in se.gpu_candidates(torch.float32, torch.bfloat16, False):
+        for k, w in ((None, want), (keep, want_keep)):
+            got = run_kernel(case, keep=k, config=cfg)
+            assert not torch.isnan(got).any(), cfg
+            err = rel_err(got, w)
+            assert err <= 1e-2, (str(cfg), k is not None, err)
 
 
 @gpu
