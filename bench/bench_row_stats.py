@@ -1,0 +1,253 @@
+"""Row-statistics kernel benchmark: effective logits bandwidth against a device copy.
+
+    python bench/bench_row_stats.py [--out bench/results/bench_row_stats.json] [--quick]
+
+Times ``kernels.row_stats.row_stats_rows`` (sampling on) at 1/4/16/32 requests x 256 canvas
+positions x 262144 vocabulary, fp32 and bf16 logits, with and without top-k/top-p, with
+``triton.testing.do_bench`` (CUDA events, median; it flushes L2 before every call, and the
+inputs rotate over two buffers on top). Reported per case:
+
+* effective TB/s = logits bytes / time (each logit is read once by the ideal pass);
+* ratio to the device-to-device copy bandwidth measured in the same run (read + write bytes
+  per second of ``dst.copy_(src)`` on 4 GiB);
+* ratio to the PyTorch backend (``reference.row_stats_rows``, only at 1 and 4 requests:
+  it is slow and holds several fp32 copies of a 64-row chunk).
+
+Two kinds of logits: ``lm`` (a normal bulk of sd 3, 32 plausible tokens raised by 5..15
+and a head raised by 10..20 per row; temperatures 0.4..0.8 as the DiffusionGemma schedule)
+and ``flat`` (the normal bulk alone, at 32 requests only: the worst case for sampling, where
+no vocabulary block can be ruled out). ``greedy`` rows (T = 0) show the cost of the pass
+without noise. A config sweep at 32 requests (``lm`` data; greedy and sampling; ``--full-sweep``
+for more configs, ``--no-sweep`` to skip it) prints the best launch configuration of the
+stats pass and of the top-k/top-p scan and search. Fresh machines compile every variant
+(the top-k/top-p search kernel takes ~25 s per variant); the whole run is meant to stay
+near 3 minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from datetime import datetime, timezone
+
+import torch
+import triton
+import triton.testing
+
+
+from dgemma_sampler import reference  # noqa: E402
+from dgemma_sampler.kernels import row_stats as rs  # noqa: E402
+
+WIDTH, VOCAB = 256, 262144
+SWEEP = [  # stats pass: (block, num_warps, prefetch, num_stages, maxnreg); greedy and sampling
+    (512, 2, True, 1, None), (256, 1, True, 1, None), (256, 1, True, 1, 96), (256, 1, False, 4, None),
+    (512, 2, True, 1, 96), (512, 2, False, 4, None), (1024, 4, True, 1, None), (128, 1, True, 1, None),
+]
+FULL_SWEEP = SWEEP + [(2048, 8, False, 4, None), (2048, 8, True, 1, None), (512, 1, True, 1, None),
+                      (1024, 2, True, 1, None), (256, 1, True, 2, 96)]
+THRESHOLD_SWEEP = [  # top-k / top-p scan and search, bf16 only (each search variant compiles ~25 s)
+    dict(scan_tile=1024, scan_warps=2, scan_stages=6), dict(scan_tile=4096, scan_warps=8, scan_stages=3),
+    dict(cap=512, num_warps=4),
+]
+
+
+def make_logits(n_req: int, dtype: torch.dtype, kind: str, seed: int) -> torch.Tensor:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    n_rows = n_req * WIDTH
+    x = torch.empty(n_rows, VOCAB, device="cuda", dtype=dtype)
+    for r0 in range(0, n_rows, 1024):  # build in fp32 slices to bound the temporary
+        r1 = min(r0 + 1024, n_rows)
+        part = torch.randn(r1 - r0, VOCAB, device="cuda", generator=gen) * 3.0
+        if kind == "lm":
+            rows = torch.arange(r1 - r0, device="cuda").unsqueeze(1)
+            plausible = torch.randint(0, VOCAB, (r1 - r0, 32), device="cuda", generator=gen)
+            part[rows, plausible] += torch.rand(r1 - r0, 32, device="cuda", generator=gen) * 10 + 5
+            head = torch.randint(0, VOCAB, (r1 - r0, 1), device="cuda", generator=gen)
+            part[rows, head] += torch.rand(r1 - r0, 1, device="cuda", generator=gen) * 10 + 10
+        x[r0:r1] = part.to(dtype)
+    return x
+
+
+def request_params(n_req: int, greedy: bool = False):
+    temperature = torch.linspace(0.4, 0.8, n_req, device="cuda")
+    if greedy:
+        temperature.zero_()
+    seeds = torch.arange(n_req, device="cuda", dtype=torch.int64) * 7919 - 3
+    draws = torch.full((n_req,), 5, device="cuda", dtype=torch.int64)
+    row_request = torch.arange(n_req, device="cuda", dtype=torch.int32).repeat_interleave(WIDTH)
+    row_position = torch.arange(WIDTH, device="cuda", dtype=torch.int32).repeat(n_req)
+    return temperature, seeds, draws, row_request, row_position
+
+
+def bench_ms(fn, bufs) -> float:
+    state = {"i": 0}
+
+    def step():
+        state["i"] += 1
+        fn(bufs[state["i"] % len(bufs)])
+
+    return float(triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median"))
+
+
+def copy_tbps() -> float:
+    n = 4 * 2**30 // 4
+    src = torch.randn(n, device="cuda")
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    del src, dst
+    return 2 * n * 4 / (ms * 1e-3) / 1e12
+
+
+def kernel_resources() -> list[dict]:
+    """n_regs / n_spills of every compiled row-stats and threshold kernel (best effort)."""
+    from dgemma_sampler.kernels import topk_topp
+
+    out = []
+    for name, fn in (("row_stats", rs._row_stats_kernel), ("topk_topp scan", topk_topp._scan_kernel),
+                     ("topk_topp search", topk_topp._search_kernel)):
+        caches = getattr(fn, "device_caches", None) or {}
+        for cache in caches.values():
+            kernels = cache[0] if isinstance(cache, tuple) else cache
+            for kern in getattr(kernels, "values", lambda: [])():
+                try:
+                    kern._init_handles()
+                    consts = getattr(getattr(kern, "src", None), "constants", {}) or {}
+                    out.append(dict(kernel=name, n_regs=getattr(kern, "n_regs", None),
+                                    n_spills=getattr(kern, "n_spills", None),
+                                    num_warps=getattr(kern.metadata, "num_warps", None),
+                                    shared=getattr(kern.metadata, "shared", None),
+                                    constants={str(k): str(v) for k, v in consts.items()}))
+                except Exception as exc:  # the cache layout differs between Triton versions
+                    out.append(dict(kernel=name, error=repr(exc)))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
+                                                  "bench_row_stats.json"))
+    ap.add_argument("--quick", action="store_true", help="32 requests only, no sweep")
+    ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--full-sweep", action="store_true", help="more launch configs (slower)")
+    args = ap.parse_args()
+    assert torch.cuda.is_available(), "needs a CUDA device"
+    t_start = time.time()
+    results: list[dict] = []
+    copy = copy_tbps()
+    print(f"device-to-device copy: {copy:.2f} TB/s (read + write)", flush=True)
+    sizes = [32] if args.quick else [1, 4, 16, 32]
+    top_k_val, top_p_val = 50, 0.9
+
+    for dtype in (torch.float32, torch.bfloat16):
+        dname = str(dtype).replace("torch.", "")
+        for n_req in sizes:
+            kinds = ["lm", "flat"] if n_req == 32 else ["lm"]
+            for kind in kinds:
+                bufs = [make_logits(n_req, dtype, kind, seed) for seed in (1, 2)]
+                nbytes = bufs[0].numel() * bufs[0].element_size()
+                temperature, seeds, draws, row_request, row_position = request_params(n_req)
+                top_k = torch.full((n_req,), top_k_val, device="cuda", dtype=torch.int64)
+                top_p = torch.full((n_req,), top_p_val, device="cuda")
+                modes = {
+                    "sample": dict(),
+                    "sample+topk/topp": dict(top_k=top_k, top_p=top_p),
+                }
+                if kind == "lm" and n_req == 32:
+                    modes["greedy"] = dict(greedy=True)
+                for mode, extra in modes.items():
+                    t = temperature if not extra.get("greedy") else torch.zeros_like(temperature)
+                    kw = {k: v for k, v in extra.items() if k != "greedy"}
+
+                    def run(x, kw=kw, t=t):
+                        return rs.row_stats_rows(x, row_request, row_position, t, seeds, draws, **kw)
+
+                    ms = bench_ms(run, bufs)
+                    rec = dict(dtype=dname, requests=n_req, data=kind, mode=mode, ms=ms,
+                               tbps=nbytes / (ms * 1e-3) / 1e12)
+                    rec["vs_copy"] = rec["tbps"] / copy
+                    if n_req <= 4 and mode != "greedy":
+                        def ref(x, kw=kw, t=t):
+                            return reference.row_stats_rows(x, row_request, row_position, t, seeds,
+                                                            draws, **kw)
+                        ref_ms = bench_ms(ref, bufs)
+                        rec["torch_ms"] = ref_ms
+                        rec["speedup_vs_torch"] = ref_ms / ms
+                    results.append(rec)
+                    print(f"{dname:9s} req={n_req:2d} {kind:4s} {mode:17s} {ms:8.3f} ms "
+                          f"{rec['tbps']:5.2f} TB/s ({rec['vs_copy']:.2f} x copy)"
+                          + (f"  torch {rec['torch_ms']:.2f} ms ({rec['speedup_vs_torch']:.1f}x)"
+                             if "torch_ms" in rec else ""), flush=True)
+                if n_req == 32 and kind == "lm" and not (args.quick or args.no_sweep):
+                    greedy_t = torch.zeros_like(temperature)
+                    for block, warps, prefetch, stages, maxnreg in (FULL_SWEEP if args.full_sweep else SWEEP):
+                        cfg = dict(block=block, num_warps=warps, prefetch=prefetch, num_stages=stages,
+                                   maxnreg=maxnreg)
+                        for mode, t in (("sweep", temperature), ("sweep greedy", greedy_t)):
+                            def run(x, cfg=cfg, t=t):
+                                return rs.row_stats_rows(x, row_request, row_position, t,
+                                                         seeds, draws, config=cfg)
+
+                            ms = bench_ms(run, bufs)
+                            rec = dict(dtype=dname, requests=n_req, data=kind, mode=mode, config=cfg,
+                                       ms=ms, tbps=nbytes / (ms * 1e-3) / 1e12)
+                            rec["vs_copy"] = rec["tbps"] / copy
+                            results.append(rec)
+                            print(f"  {mode} {cfg}: {ms:.3f} ms {rec['tbps']:.2f} TB/s", flush=True)
+                    for tcfg in (THRESHOLD_SWEEP if dtype == torch.bfloat16 else []):
+                        def run(x, tcfg=tcfg):
+                            return rs.row_stats_rows(x, row_request, row_position, temperature,
+                                                     seeds, draws, top_k=top_k, top_p=top_p,
+                                                     config=dict(threshold=tcfg))
+
+                        ms = bench_ms(run, bufs)
+                        rec = dict(dtype=dname, requests=n_req, data=kind, mode="sweep topk/topp",
+                                   config=tcfg, ms=ms, tbps=nbytes / (ms * 1e-3) / 1e12)
+                        results.append(rec)
+                        print(f"  sweep top-k/top-p {tcfg}: {ms:.3f} ms {rec['tbps']:.2f} TB/s", flush=True)
+                    unfiltered = bench_ms(lambda x: rs.row_stats_rows(
+                        x, row_request, row_position, temperature, seeds, draws,
+                        noise_filter=False), bufs)
+                    results.append(dict(dtype=dname, requests=n_req, data=kind, mode="no hash filter",
+                                        ms=unfiltered, tbps=nbytes / (unfiltered * 1e-3) / 1e12))
+                    print(f"  without the hash filter: {unfiltered:.3f} ms", flush=True)
+                del bufs
+                torch.cuda.empty_cache()
+
+    resources = kernel_resources()
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                triton=triton.__version__, python=platform.python_version(),
+                date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                command=" ".join(sys.argv), copy_tbps=copy, default_config={
+                    d: rs.default_config(torch.empty(0, dtype=d)) for d in (torch.float32, torch.bfloat16)},
+                wall_s=time.time() - t_start)
+    meta["default_config"] = {str(k): v for k, v in meta["default_config"].items()}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(dict(meta=meta, results=results, kernels=resources), f, indent=1)
+
+    print(f"\n{meta['device']}  torch {meta['torch']}  triton {meta['triton']}  "
+          f"copy {copy:.2f} TB/s  ({meta['wall_s']:.0f} s)")
+    print(f"{'dtype':9s} {'req':>3s} {'data':4s} {'mode':17s} {'ms':>8s} {'TB/s':>5s} {'xcopy':>5s} {'xtorch':>6s}")
+    for r in results:
+        if r["mode"].startswith("sweep"):
+            continue
+        print(f"{r['dtype']:9s} {r['requests']:3d} {r['data']:4s} {r['mode']:17s} {r['ms']:8.3f} "
+              f"{r['tbps']:5.2f} {r.get('vs_copy', float('nan')):5.2f} "
+              f"{r.get('speedup_vs_torch', float('nan')):6.1f}")
+    for mode in ("sweep", "sweep greedy", "sweep topk/topp"):
+        sweeps = [r for r in results if r["mode"] == mode]
+        for d in sorted({r["dtype"] for r in sweeps}):
+            best = min((r for r in sweeps if r["dtype"] == d), key=lambda r: r["ms"])
+            print(f"best {mode} config {d}: {best['config']} {best['ms']:.3f} ms {best['tbps']:.2f} TB/s")
+    for k in resources:
+        print(f"{k['kernel']}: n_regs={k.get('n_regs')} n_spills={k.get('n_spills')} "
+              f"num_warps={k.get('num_warps')} shared={k.get('shared')} {k.get('error', '')}")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

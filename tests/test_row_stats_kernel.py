@@ -1,0 +1,498 @@
+"""The Triton row-statistics kernel against the PyTorch oracle and a float64 recomputation.
+
+* argmax, sample, threshold, has_nan: equal to ``reference.row_stats_rows`` (the same keyed
+  noise). A differing sample must be a near-tie: both tokens' keys ``z + G`` (the oracle's
+  keys) within 1e-5 of each other, relative to max(1, |key|). A differing top-p threshold
+  must be a near-tie of the cumulative mass with p.
+* lse and entropy: within 1e-5 relative of a float64 recomputation from the same fp32 z.
+
+CPU (Triton interpreter, small shapes, small blocks so every row spans several blocks):
+``TRITON_INTERPRET=1 pytest -q tests/test_row_stats_kernel.py``. GPU: ``pytest -m gpu``.
+"""
+
+import math
+
+import pytest
+import torch
+
+from dgemma_sampler import keyed_noise, ops, reference
+from dgemma_sampler.kernels import row_stats as rs
+from dgemma_sampler.keyed_noise import Stream
+
+FLT_MAX = torch.finfo(torch.float32).max
+# Small blocks and a small candidate buffer so that the interpreter exercises multi-block
+# rows, the top-k/top-p fallback passes and the candidate path on a few thousand entries.
+CPU_CONFIG = dict(block=256, num_warps=4, prefetch=True, num_stages=1,
+                  threshold=dict(cap=64, tile=256, scan_tile=512, pivots=8))
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Outputs start as garbage so a row the kernels forget to write cannot pass."""
+
+    def empty(n, device):
+        return reference.RowStats(
+            argmax=torch.full((n,), -7, dtype=torch.int64, device=device),
+            sample=torch.full((n,), -7, dtype=torch.int64, device=device),
+            entropy=torch.full((n,), 1234.5, device=device),
+            lse=torch.full((n,), 1234.5, device=device),
+            threshold=torch.full((n,), 1234.5, device=device),
+            has_nan=torch.ones(n, dtype=torch.bool, device=device),
+        )
+
+    monkeypatch.setattr(rs, "_empty_stats", empty)
+
+
+def _masked_z(logits, row_request, temperature, softcap, threshold, allowed):
+    """fp32 z exactly as the oracle forms it, -inf where masked; float64 copy for sums."""
+    req = row_request.long()
+    x = reference.softcapped(logits, softcap)
+    masked = torch.isnan(x) | (x == float("-inf")) | (x < threshold.unsqueeze(1))
+    if allowed is not None:
+        masked |= ~allowed[req]
+    inv = reference.inverse_temperature(temperature)[req]
+    z = torch.clamp(x * inv.unsqueeze(1), max=FLT_MAX)
+    return torch.where(masked, float("-inf"), z), masked
+
+
+def _oracle64(z):
+    """(lse, entropy) in float64 from masked fp32 z; all-masked rows give (-inf, 0).
+
+    ``Z = 1 + R`` with R summed without one arg-max entry, so that log1p(R) keeps a peaked
+    row's tiny entropy (1 + 1e-30 is 1 even in float64).
+    """
+    z64 = z.double()
+    m, arg = z64.max(dim=1)
+    kept = torch.isfinite(m)
+    safe_m = torch.where(kept, m, 0.0).unsqueeze(1)
+    e = torch.exp(z64 - safe_m)
+    e.scatter_(1, arg.unsqueeze(1), 0.0)
+    rest = e.sum(dim=1)
+    a = torch.where(e > 0, (z64 - safe_m) * e, 0.0).sum(dim=1)
+    lse = torch.where(kept, m + torch.log1p(rest), float("-inf"))
+    ent = torch.where(kept, torch.log1p(rest) - a / (1.0 + rest), 0.0)
+    return lse, ent
+
+
+def _keys(z, row_request, row_position, seeds, draws, tokens):
+    req = row_request.long()
+    key = keyed_noise.row_key(seeds[req].unsqueeze(1), draws[req].unsqueeze(1),
+                              row_position.long().unsqueeze(1), Stream.GUMBEL)
+    g = keyed_noise.gumbel(keyed_noise.token_bits(key, tokens.unsqueeze(0)))
+    return z + g  # -inf where masked
+
+
+def _columns_of(tokens):
+    """Map returned token ids back to logits columns (tokens: the id of every column)."""
+    first = int(tokens[0])
+    if torch.equal(tokens, torch.arange(first, first + tokens.numel(), device=tokens.device)):
+        return lambda ids: ids - first
+    order = torch.argsort(tokens)
+    return lambda ids: order[torch.searchsorted(tokens[order], ids)]
+
+
+def _assert_same_or_near_tie(got, want, score, tokens, what):
+    """got == want, or both columns score within 1e-5 (relative to max(1, |score|))."""
+    differ = (got != want).nonzero().flatten()
+    if differ.numel() == 0:
+        return 0
+    col = _columns_of(tokens)
+    sg = score[differ, col(got[differ])].double()
+    sw = score[differ, col(want[differ])].double()
+    assert bool(torch.isfinite(sg).all() and torch.isfinite(sw).all()), f"{what}: {differ.tolist()}"
+    gap = (sg - sw).abs() / sw.abs().clamp(min=1.0)
+    assert float(gap.max()) <= 1e-5, f"{what} rows {differ.tolist()}: {sg.tolist()} vs {sw.tolist()}"
+    return differ.numel()
+
+
+def _assert_thresholds(got, want, logits, row_request, softcap, allowed, top_k, top_p):
+    """Equal, or (top-p) the mass at the larger one lies within 1e-5 of p."""
+    differ = (got != want).nonzero().flatten().tolist()
+    req = row_request.long()
+    for r in differ:
+        assert top_p is not None and float(top_p[req[r]]) < 1, f"top-k threshold row {r} differs"
+        x = reference.softcapped(logits[r:r + 1], softcap)[0].double()
+        valid = ~torch.isnan(x) & (x > float("-inf"))
+        if allowed is not None:
+            valid &= allowed[req[r]]
+        if top_k is not None and 0 < int(top_k[req[r]]) < x.numel():
+            k = int(top_k[req[r]])
+            kth = torch.sort(torch.where(valid, x, float("-inf")), descending=True).values[k - 1]
+            valid &= x >= kth
+        w = torch.where(valid, torch.exp(x - x[valid].max()), 0.0)
+        frac = float(w[x >= max(float(got[r]), float(want[r]))].sum() / w.sum())
+        assert abs(frac - float(top_p[req[r]])) <= 1e-5, f"threshold row {r}: {got[r]} vs {want[r]}"
+
+
+def check(logits, row_request, row_position, temperature, seeds, draws, *, softcap=None,
+          top_k=None, top_p=None, allowed=None, vocab_offset=0, column_tokens=None,
+          config=CPU_CONFIG, near_ties_allowed=0):
+    """Run both backends on the same rows and compare everything; return the kernel result."""
+    kw = dict(softcap=softcap, top_k=top_k, top_p=top_p, allowed=allowed,
+              vocab_offset=vocab_offset, column_tokens=column_tokens)
+    got = rs.row_stats_rows(logits, row_request, row_position, temperature, seeds, draws,
+                            config=config, **kw)
+    want = reference.row_stats_rows(logits, row_request, row_position, temperature, seeds,
+                                    draws, **kw)
+    _assert_thresholds(got.threshold, want.threshold, logits, row_request, softcap, allowed,
+                       top_k, top_p)
+    assert torch.equal(got.has_nan, want.has_nan)
+    vocab = logits.shape[1]
+    tokens = (column_tokens if column_tokens is not None
+              else torch.arange(vocab, device=logits.device) + vocab_offset)
+    # Entries are compared under the kernel's own threshold (the near-tie case above).
+    z, _ = _masked_z(logits, row_request, temperature, softcap, got.threshold, allowed)
+    ties = _assert_same_or_near_tie(got.argmax, want.argmax, z, tokens, "argmax")
+    keys = _keys(z, row_request, row_position, seeds, draws, tokens)
+    greedy = (temperature.float() == 0)[row_request.long()]
+    keys = torch.where(greedy.unsqueeze(1), z, keys)
+    ties += _assert_same_or_near_tie(got.sample, want.sample, keys, tokens, "sample")
+    assert ties <= near_ties_allowed
+    lse64, ent64 = _oracle64(z)
+    kept = torch.isfinite(lse64)
+    assert torch.equal(torch.isfinite(got.lse), kept)
+    assert (got.lse[~kept] == float("-inf")).all() and (got.entropy[~kept] == 0).all()
+    lse_err = (got.lse.double()[kept] - lse64[kept]).abs() / lse64[kept].abs().clamp(min=1.0)
+    assert (float(lse_err.max()) if kept.any() else 0.0) <= 1e-5
+    ent_err = (got.entropy.double()[kept] - ent64[kept]).abs() / ent64[kept].abs().clamp(min=1e-30)
+    assert (float(ent_err.max()) if kept.any() else 0.0) <= 1e-5
+    assert (got.entropy[kept] >= 0).all()
+    return got
+
+
+def _on(device, *tensors):
+    return [t.to(device) for t in tensors]
+
+
+def _requests(n_req, gen, temps=(0.7, 0.0, 1.3, 1e-3, 0.45)):
+    temperature = torch.tensor([temps[i % len(temps)] for i in range(n_req)], dtype=torch.float32)
+    seeds = torch.randint(-(2**63), 2**63 - 1, (n_req,), generator=gen)
+    seeds[0] = -1
+    draws = torch.randint(0, 2**40, (n_req,), generator=gen)
+    return temperature, seeds, draws
+
+
+def _rows(n_rows, n_req, gen):
+    row_request = torch.randint(0, n_req, (n_rows,), generator=gen, dtype=torch.int64).to(torch.int32)
+    row_position = torch.randint(0, 256, (n_rows,), generator=gen, dtype=torch.int64).to(torch.int32)
+    return row_request, row_position
+
+
+# ----------------------------------------------------------------------------------- CPU
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_random_rows(interpret, poisoned, dtype):
+    gen = torch.Generator().manual_seed(11)
+    n_rows, vocab, n_req = 13, 1500, 5  # vocab not a multiple of the block
+    wide = torch.randn(n_rows, vocab + 37, generator=gen) * 3.0
+    logits = wide[:, 5:5 + vocab].to(dtype)  # strided rows, offset start
+    if dtype != torch.float32:
+        logits = wide.to(dtype)[:, 5:5 + vocab]
+    assert logits.stride(0) == vocab + 37
+    temperature, seeds, draws = _requests(n_req, gen)
+    row_request, row_position = _rows(n_rows, n_req, gen)
+    # per-request vectors as strided views (every other element of a larger tensor)
+    temperature, seeds, draws = (torch.stack([t, t], 1).flatten()[::2] for t in (temperature, seeds, draws))
+    assert seeds.stride(0) == 2
+    check(*_on(interpret, logits, row_request, row_position, temperature, seeds, draws),
+          vocab_offset=777)
+
+
+def test_many_rows(interpret, poisoned):
+    """Many short rows of many requests (one program per row)."""
+    gen = torch.Generator().manual_seed(20)
+    n_rows, vocab, n_req = 96, 300, 17
+    logits = (torch.randn(n_rows, vocab, generator=gen) * 4).to(torch.float16)
+    temperature, seeds, draws = _requests(n_req, gen)
+    row_request, row_position = _rows(n_rows, n_req, gen)
+    check(*_on(interpret, logits, row_request, row_position, temperature, seeds, draws),
+          config=dict(CPU_CONFIG, block=128))
+
+
+def test_single_row_and_one_block(interpret, poisoned):
+    gen = torch.Generator().manual_seed(12)
+    temperature, seeds, draws = _requests(1, gen, temps=(0.9,))
+    one = torch.zeros(1, dtype=torch.int32)
+    for vocab in (1, 200, 700):
+        logits = torch.randn(1, vocab, generator=gen)
+        check(*_on(interpret, logits, one, one + 3, temperature, seeds, draws))
+
+
+def _special_rows(vocab, gen):
+    """Rows that stress masking, rescaling and ties (one per case, fp32)."""
+    rows = []
+    r = torch.randn(vocab, generator=gen)
+    r[::97] = float("nan")
+    rows.append(r)                                            # NaNs among normal logits
+    r = torch.randn(vocab, generator=gen)
+    r[333] = float("inf")
+    rows.append(r)                                            # one +inf: it takes all the mass
+    r = torch.randn(vocab, generator=gen)
+    r[[10, vocab // 2, vocab - 100]] = float("inf")
+    rows.append(r)                                            # tied +inf entries
+    rows.append(torch.full((vocab,), float("-inf")))          # all masked
+    r = torch.full((vocab,), float("-inf"))
+    r[vocab - 1] = -3.0
+    rows.append(r)                                            # one entry, the last one
+    r = torch.randn(vocab, generator=gen)
+    r[vocab // 2] = 60.0
+    rows.append(r)                                            # peaked: entropy ~ 1e-23
+    r = torch.randn(vocab, generator=gen)
+    r[vocab // 3] = 14.0
+    rows.append(r)                                            # peaked: entropy ~ 1e-3
+    rows.append(torch.linspace(-20.0, 20.0, vocab))            # ascending: a new max every block
+    r = torch.randn(vocab, generator=gen)
+    r[[7, 70, vocab - 300]] = 8.0
+    rows.append(r)                                            # tied maxima: lowest id
+    rows.append(torch.full((vocab,), 0.25))                   # all equal
+    rows.append(torch.randn(vocab, generator=gen) * 1e30)     # huge logits
+    r = torch.randn(vocab, generator=gen)
+    r[::2] = float("nan")
+    r[1::2] = float("-inf")
+    rows.append(r)                                            # NaN and -inf only
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_special_rows(interpret, poisoned, dtype):
+    gen = torch.Generator().manual_seed(13)
+    vocab = 1000
+    logits = _special_rows(vocab, gen).to(dtype)
+    n_rows = logits.shape[0]
+    n_req = 4
+    temperature = torch.tensor([0.8, 0.0, 1e-8, 50.0])
+    seeds = torch.tensor([3, -(2**63), 2**63 - 1, 12345])
+    draws = torch.tensor([0, 1, 2**33, 7])
+    # the peaked rows 5 and 6 sample at T = 0.8 and T = 50; the others cycle through all four
+    row_request = torch.tensor([0, 1, 2, 3, 0, 0, 3, 3, 2, 1, 0, 1], dtype=torch.int32)
+    row_position = torch.arange(n_rows, dtype=torch.int32) * 5
+    got = check(*_on(interpret, logits, row_request, row_position, temperature, seeds, draws))
+    assert got.has_nan.tolist()[0] and got.has_nan.tolist()[-1]
+    assert got.argmax[3] == 0 and got.lse[3] == float("-inf")     # all masked
+    assert got.argmax[4] == vocab - 1 and got.entropy[4] == 0     # a single entry
+    assert got.argmax[8] == 7                                     # lowest id of tied maxima
+    assert 0 < float(got.entropy[5]) < 1e-20                      # tiny but not zero
+
+
+def test_allowed_sets(interpret, poisoned):
+    gen = torch.Generator().manual_seed(14)
+    n_rows, vocab, n_req = 9, 1200, 3
+    logits = torch.randn(n_rows, vocab, generator=gen) * 2
+    temperature, seeds, draws = _requests(n_req, gen)
+    row_request, row_position = _rows(n_rows, n_req, gen)
+    allowed = torch.rand(n_req, vocab, generator=gen) < 0.3
+    allowed[1] = False
+    allowed[1, 1111] = True         # request 1: a single allowed token
+    allowed[2] = False              # request 2: nothing allowed
+    logits, row_request, row_position, temperature, seeds, draws, allowed = _on(
+        interpret, logits, row_request, row_position, temperature, seeds, draws, allowed)
+    got = check(logits, row_request, row_position, temperature, seeds, draws, allowed=allowed)
+    assert (got.argmax[row_request == 1] == 1111).all()
+    assert (got.lse[row_request == 2] == float("-inf")).all()
+
+
+def test_column_tokens_and_softcap(interpret, poisoned):
+    gen = torch.Generator().manual_seed(15)
+    n_rows, vocab, n_req = 7, 900, 2
+    logits = torch.randn(n_rows, vocab, generator=gen) * 20
+    temperature, seeds, draws = _requests(n_req, gen)
+    row_request, row_position = _rows(n_rows, n_req, gen)
+    column_tokens = torch.randperm(262144, generator=gen)[:vocab]
+    *args, column_tokens = _on(interpret, logits, row_request, row_position, temperature, seeds,
+                               draws, column_tokens)
+    check(*args, softcap=30.0, column_tokens=column_tokens, near_ties_allowed=2)
+
+
+def test_softcap_special_rows(interpret, poisoned):
+    """With a softcap, -inf logits become -c (kept, as in the oracle) but the padding past
+    the row end must stay masked: rows of one NaN entry, special rows, and top-k/top-p."""
+    gen = torch.Generator().manual_seed(21)
+    temperature = torch.tensor([1e-12, 0.9])
+    seeds, draws = torch.tensor([291, 96675]), torch.tensor([57, 8])
+    one = torch.tensor([[float("nan")], [3.0], [float("-inf")]])
+    rows = torch.arange(3, dtype=torch.int32) % 2
+    got = check(*_on(interpret, one, rows, rows, temperature, seeds, draws), softcap=0.5,
+                config=dict(CPU_CONFIG, block=64))
+    assert got.argmax.tolist() == [0, 0, 0] and got.lse[0] == float("-inf")
+    special = _special_rows(700, gen)
+    rows = (torch.arange(special.shape[0]) % 2).to(torch.int32)
+    args = _on(interpret, special, rows, rows * 3, temperature, seeds, draws)
+    check(*args, softcap=0.5, near_ties_allowed=special.shape[0])
+    k, p = _on(interpret, torch.tensor([3, 0]), torch.tensor([1.0, 0.8]))
+    check(*args, softcap=30.0, top_k=k, top_p=p, near_ties_allowed=special.shape[0])
+
+
+def test_blocking_and_noise_filter_do_not_change_results(interpret):
+    """Block size, warps, prefetch and the hash filter are invisible in the results."""
+    gen = torch.Generator().manual_seed(16)
+    n_rows, vocab, n_req = 6, 2000, 3
+    logits = torch.randn(n_rows, vocab, generator=gen) * 4
+    logits[0] = torch.linspace(-5, 5, vocab)
+    temperature, seeds, draws = _requests(n_req, gen, temps=(0.5, 1.0, 2.0))
+    row_request, row_position = _rows(n_rows, n_req, gen)
+    args = _on(interpret, logits, row_request, row_position, temperature, seeds, draws)
+    base = rs.row_stats_rows(*args, config=CPU_CONFIG)
+    variants = [dict(block=128, num_warps=1, prefetch=False, num_stages=1),
+                dict(block=1024, num_warps=8, prefetch=True, num_stages=2)]
+    for cfg in variants:
+        other = rs.row_stats_rows(*args, config=cfg)
+        assert torch.equal(other.argmax, base.argmax) and torch.equal(other.sample, base.sample)
+        torch.testing.assert_close(other.lse, base.lse, rtol=2e-6, atol=0)
+        torch.testing.assert_close(other.entropy, base.entropy, rtol=1e-5, atol=1e-7)
+    unfiltered = rs.row_stats_rows(*args, config=CPU_CONFIG, noise_filter=False)
+    assert torch.equal(unfiltered.sample, base.sample)
+
+
+def test_public_api_triton_backend(interpret):
+    gen = torch.Generator().manual_seed(17)
+    logits = torch.randn(2, 5, 600, generator=gen)
+    temperature, seeds, draws = _requests(2, gen)
+    logits, temperature, seeds, draws = _on(interpret, logits, temperature, seeds, draws)
+    got = ops.row_stats(logits, temperature, seeds, draws, backend="triton")
+    want = ops.row_stats(logits, temperature, seeds, draws, backend="torch")
+    assert torch.equal(got.argmax, want.argmax) and torch.equal(got.sample, want.sample)
+    torch.testing.assert_close(got.lse, want.lse, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_top_k_top_p(interpret, poisoned, dtype):
+    """Candidate path (small k / peaked top-p) and pivot fallback (large k, flat top-p)."""
+    gen = torch.Generator().manual_seed(18)
+    vocab = 1500
+    requests = [  # (top_k, top_p)
+        (1, 1.0), (5, 0.9), (0, 0.5), (150, 1.0),     # 150 > cap 64: pivot passes
+        (0, 0.995), (vocab, 1e-6), (40, 0.95), (vocab - 1, 0.999),
+    ]
+    n_req = len(requests)
+    top_k = torch.tensor([k for k, _ in requests])
+    top_p = torch.tensor([p for _, p in requests])
+    temperature, seeds, draws = _requests(n_req, gen)
+    n_rows = 2 * n_req
+    row_request = torch.arange(n_rows, dtype=torch.int32) % n_req
+    row_position = torch.randint(0, 256, (n_rows,), generator=gen, dtype=torch.int64).to(torch.int32)
+    logits = torch.randn(n_rows, vocab, generator=gen) * 2
+    logits[n_req:] = logits[n_req:] * 0.3  # flatter second half
+    logits[n_req + 1, 100] = 9.0           # one peaked row
+    *args, top_k, top_p = _on(interpret, logits.to(dtype), row_request, row_position,
+                              temperature, seeds, draws, top_k, top_p)
+    got = check(*args, top_k=top_k, top_p=top_p)
+    row_request = args[1]
+    assert (got.threshold[row_request == 0] > float("-inf")).all()
+
+
+def test_top_k_top_p_default_config_short_rows(interpret, poisoned):
+    """Default search config on rows shorter than the candidate buffer: fewer sub-blocks than
+    k, so the table gives no bound and the whole row is the candidate set."""
+    gen = torch.Generator().manual_seed(22)
+    logits = torch.randn(4, 301, generator=gen) * 3
+    rows = torch.tensor([0, 0, 1, 1], dtype=torch.int32)
+    temperature, seeds, draws = _requests(2, gen, temps=(0.8, 0.6))
+    top_k, top_p = torch.tensor([0, 165]), torch.tensor([0.81, 1.0])
+    *args, top_k, top_p = _on(interpret, logits, rows, rows, temperature, seeds, draws, top_k, top_p)
+    check(*args, top_k=top_k, top_p=top_p, config=None)
+
+
+def test_top_k_top_p_edge_rows(interpret, poisoned):
+    """Masked rows, +inf logits, k above the number of kept entries, mass ties."""
+    gen = torch.Generator().manual_seed(19)
+    vocab = 700
+    rows = _special_rows(vocab, gen)
+    rows = torch.cat([rows, torch.full((1, vocab), 1.5).to(torch.bfloat16).float()])  # all tied
+    n_rows = rows.shape[0]
+    requests = [(3, 0.8), (0, 0.6), (650, 0.9), (2, 1.0)]
+    n_req = len(requests)
+    top_k = torch.tensor([k for k, _ in requests], dtype=torch.int32)
+    top_p = torch.tensor([p for _, p in requests], dtype=torch.bfloat16)
+    temperature, seeds, draws = _requests(n_req, gen)
+    row_request = (torch.arange(n_rows) % n_req).to(torch.int32)
+    row_position = torch.arange(n_rows, dtype=torch.int32)
+    allowed = torch.rand(n_req, vocab, generator=gen) < 0.9
+    *args, top_k, top_p, allowed = _on(interpret, rows, row_request, row_position, temperature,
+                                       seeds, draws, top_k, top_p, allowed)
+    check(*args, top_k=top_k, top_p=top_p)
+    check(*args, top_k=top_k, top_p=top_p, allowed=allowed)
+
+
+# ----------------------------------------------------------------------------------- GPU
+
+
+def _gpu_rows(n_req, width, vocab, dtype, gen_seed):
+    gen = torch.Generator(device="cuda").manual_seed(gen_seed)
+    logits = torch.randn(n_req * width, vocab, device="cuda", generator=gen, dtype=torch.float32)
+    logits.mul_(2.5)
+    # a peaked head on a third of the rows, as a language model would have
+    head = torch.randint(0, vocab, (n_req * width,), device="cuda", generator=gen)
+    rows = torch.arange(0, n_req * width, 3, device="cuda")
+    logits[rows, head[rows]] += 15.0
+    logits = logits.to(dtype)
+    temperature = torch.linspace(0.4, 0.8, n_req, device="cuda")
+    temperature[0] = 0.0
+    seeds = torch.randint(-(2**63), 2**63 - 1, (n_req,), device="cuda", generator=gen)
+    draws = torch.randint(0, 48, (n_req,), device="cuda", generator=gen)
+    row_request = torch.arange(n_req, device="cuda", dtype=torch.int32).repeat_interleave(width)
+    row_position = torch.arange(width, device="cuda", dtype=torch.int32).repeat(n_req)
+    return logits, row_request, row_position, temperature, seeds, draws
+
+
+def _gpu_check(logits, row_request, row_position, temperature, seeds, draws, rows=None, **kw):
+    """Kernel on all rows; oracle and float64 checks on ``rows`` (all rows when None), chunked."""
+    got = rs.row_stats_rows(logits, row_request, row_position, temperature, seeds, draws,
+                            config=None, **kw)
+    torch.cuda.synchronize()
+    rows = torch.arange(logits.shape[0], device="cuda") if rows is None else rows
+    ties = 0
+    for start in range(0, rows.numel(), 256):
+        sel = rows[start:start + 256]
+        sub = (logits[sel], row_request[sel], row_position[sel], temperature, seeds, draws)
+        want_kw = dict(kw)
+        part = reference.RowStats(*(t[sel] for t in got.as_tuple()))
+        ref = reference.row_stats_rows(*sub, **want_kw)
+        _assert_thresholds(part.threshold, ref.threshold, sub[0], sub[1], kw.get("softcap"),
+                           kw.get("allowed"), kw.get("top_k"), kw.get("top_p"))
+        assert torch.equal(part.has_nan, ref.has_nan)
+        z, _ = _masked_z(sub[0], sub[1], temperature, kw.get("softcap"), part.threshold, kw.get("allowed"))
+        tokens = torch.arange(logits.shape[1], device="cuda")
+        ties += _assert_same_or_near_tie(part.argmax, ref.argmax, z, tokens, "argmax")
+        keys = _keys(z, sub[1], sub[2], seeds, draws, tokens)
+        greedy = (temperature == 0)[sub[1].long()]
+        keys = torch.where(greedy.unsqueeze(1), z, keys)
+        ties += _assert_same_or_near_tie(part.sample, ref.sample, keys, tokens, "sample")
+        lse64, ent64 = _oracle64(z)
+        kept = torch.isfinite(lse64)
+        lse_err = (part.lse.double() - lse64).abs()[kept] / lse64[kept].abs().clamp(min=1.0)
+        assert (float(lse_err.max()) if kept.any() else 0.0) <= 1e-5
+        ent_err = (part.entropy.double() - ent64).abs()[kept] / ent64[kept].clamp(min=1e-30)
+        assert (float(ent_err.max()) if kept.any() else 0.0) <= 1e-5
+    assert ties <= max(2, rows.numel() // 2000)
+    return got
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_real_shape(dtype):
+    """32 requests x 256 positions x 262144 vocabulary, every row checked."""
+    data = _gpu_rows(32, 256, 262144, dtype, 21)
+    _gpu_check(*data)
+
+
+@pytest.mark.gpu
+def test_gpu_real_shape_top_k_top_p():
+    n_req = 8
+    data = _gpu_rows(n_req, 256, 262144, torch.bfloat16, 22)
+    top_k = torch.tensor([0, 1, 20, 50, 0, 400, 2000, 262144], device="cuda")
+    top_p = torch.tensor([0.9, 1.0, 0.95, 0.8, 0.99, 1.0, 0.5, 1.0], device="cuda")
+    _gpu_check(*data, top_k=top_k, top_p=top_p)
+
+
+@pytest.mark.gpu
+def test_gpu_rows_times_vocab_above_2_pow_31():
+    """8200 rows x 262144 bf16 (4.3 GB): offsets past 2^31 elements; a sample of rows checked."""
+    n_rows, vocab = 8200, 262144
+    data = _gpu_rows(1, n_rows, vocab, torch.bfloat16, 23)
+    logits, row_request, _, temperature, seeds, draws = data
+    row_position = torch.arange(n_rows, device="cuda", dtype=torch.int32) % 256
+    temperature.fill_(0.6)
+    rows = torch.cat([torch.arange(0, 64, device="cuda"), torch.arange(n_rows - 192, n_rows, device="cuda"),
+                      torch.randint(64, n_rows - 192, (64,), device="cuda")])
+    _gpu_check(logits, row_request, row_position, temperature, seeds, draws, rows=rows)
