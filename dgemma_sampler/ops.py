@@ -32,6 +32,17 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """``cuda`` and ``cuda:<current>`` are the same device."""
+    a, b = torch.device(a), torch.device(b)
+    if a.type != b.type:
+        return False
+    if a.index is None or b.index is None:
+        current = torch.cuda.current_device() if a.type == "cuda" else 0
+        return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
+    return a.index == b.index
+
+
 def check_tensor(name: str, t, *, dim: int | None = None, dtypes=None, device=None,
                  shape: tuple | None = None) -> None:
     """Raise a TypeError/ValueError naming ``name`` when ``t`` is not what is expected."""
@@ -42,7 +53,7 @@ def check_tensor(name: str, t, *, dim: int | None = None, dtypes=None, device=No
     if dtypes is not None and t.dtype not in dtypes:
         names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
         raise TypeError(f"{name} must have dtype in ({names}), got {t.dtype}")
-    if device is not None and t.device != device:
+    if device is not None and not same_device(t.device, device):
         raise ValueError(f"{name} must be on {device} (where the logits are), got {t.device}")
     if shape is not None and tuple(t.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")

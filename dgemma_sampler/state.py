@@ -45,6 +45,8 @@ class DiffusionState:
         if not isinstance(hidden_size, int) or hidden_size < 1:
             raise ValueError(f"hidden_size must be an int >= 1, got {hidden_size!r}")
         device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         self.cfg = cfg
         self.max_num_reqs = max_num_reqs
         self.canvas_length = cl = cfg.canvas_length

@@ -68,8 +68,11 @@ TWO_POW_32 = tl.constexpr(4294967296.0)
 # e = 2^u of every possible winner (z > best - 23) stay above fp32's underflow.
 FILTER_MAX_GAP = tl.constexpr(60.0)
 GUMBEL_STREAM = tl.constexpr(1)  # keyed_noise.Stream.GUMBEL
-# Below this the exp2 argument is formed with one FMA, z * log2(e) - m * log2(e).
-EXP_FAST_LIMIT = tl.constexpr(1e37)
+# Below this |m| the exp2 argument is formed with one FMA, z * log2(e) - m * log2(e). The FMA
+# subtracts the rounded m * log2(e), off by up to half its ulp: 2^-13 at |m| < 2048, but ~1e4
+# for a greedy row (z = x * 1e10), where an entry tied with the max would get 2^16384 = inf
+# (seen on the H200 with bf16 logits, whose ties are common). Larger |m| takes z - m exactly.
+EXP_FAST_LIMIT = tl.constexpr(2048.0)
 
 
 @triton.jit(do_not_specialize=["vocab_offset"])
@@ -162,7 +165,7 @@ def _row_stats_kernel(
             r_acc += tl.where(offs == at, 0.0, e)
             a_acc += u * e
         else:
-            if m < EXP_FAST_LIMIT:
+            if (tl.abs(m) < EXP_FAST_LIMIT) | (m == NEG_INF):
                 # One FMA per entry; exact enough for sums (not used for any comparison).
                 u = tl.maximum(z * LOG2E - tl.where(m > NEG_INF, m * LOG2E, 0.0), U_FLOOR)
             else:
