@@ -285,8 +285,8 @@ def token_logprobs_rows(
     ``inv_t`` [n] per row, ``threshold`` [n], ``allowed`` [n, V] bool or None, ``selected``
     [n] int64. With ``token_ids`` ([n, K] int64, -1 padded) the requested ids replace the
     top-n columns. Returns (ids [n, 1 + cols] int64, logprobs [n, 1 + cols] fp32 with
-    -inf for padding, ranks [n] int64: 1 + number of entries strictly... counted as vLLM
-    does, the number of entries whose logprob is >= the selected one's).
+    -inf for padding, ranks [n] int64 counted as vLLM does: the number of entries whose
+    scaled logit z is >= the selected one's).
     """
     x = softcapped(logits, softcap)
     masked = torch.isnan(x) | (x < threshold.unsqueeze(1))
@@ -306,8 +306,9 @@ def token_logprobs_rows(
     vals = lp.gather(1, ids)
     vals[:, 1:] = torch.where(valid, vals[:, 1:], float("-inf"))
     ids[:, 1:] = torch.where(valid, ids[:, 1:], 0)
-    sel_lp = vals[:, :1]
-    ranks = (lp >= sel_lp).sum(dim=-1)
+    # vLLM's rank: entries whose scaled logit is >= the selected one's (compared in z, not in
+    # log-softmax, where distinct z can round to one value).
+    ranks = (z >= z.gather(1, selected.unsqueeze(1))).sum(dim=-1)
     return ids, vals, ranks
 
 

@@ -224,7 +224,10 @@ def decode_step(
 
     # 7. Self-conditioning: written straight into the slot-indexed state rows.
     sc = state.self_conditioning_embeds
-    sc[slots, :W] = 0
+    # index_fill_ takes the 0 as a kernel argument: no host-to-device copy, so the step can be
+    # captured in a CUDA graph (the whole canvas rows are cleared; positions past a request's
+    # width are never read).
+    sc.index_fill_(0, slots, 0.0)
     if soft_fn is not None and embed_weight is not None:
         keep = sc_keep[request] & ~pinned[request, position]
         sc_rows = sc.view(-1, sc.shape[-1])

@@ -2,12 +2,11 @@
 
 Twin of ``reference.token_logprobs_rows`` (vLLM's layout: column 0 the selected token, then
 the top-n tokens or the requested ids; ``logprob = z - lse``; rank = number of entries whose
-logprob is >= the selected one's). One program per row streams the vocabulary once with
+scaled logit is >= the selected one's). One program per row streams the vocabulary once with
 ``z = min(x * inv_t, FLT_MAX)`` (softcapped, masked as in ``row_stats``) and keeps:
 
-* the rank count ``#{z - lse >= z_selected - lse}``: compared as logprobs, as the oracle
-  does, so entries whose z differ but whose logprobs round together count alike (a row
-  with a +inf logit has every finite logprob at -FLT_MAX);
+* the rank count ``#{z >= z_selected}``: compared in z, as vLLM's rank kernel compares the
+  scaled logits (in logprobs, distinct z can round to one value and count alike);
 * for top-n, a list of the n best (z, id) in registers. A block is merged only while its
   maximum beats the list's worst entry, one entry at a time, so a row costs about
   ``n log(V / n)`` merges beyond the stream itself. Ties keep the lowest ids (torch.topk
@@ -90,7 +89,7 @@ def _logprobs_kernel(
     for start in range(0, vocab, BLOCK):
         z = _z_block(row_ptr, allowed_row, start + offs, vocab, inv_t, threshold,
                      SOFTCAP, HAS_ALLOWED)
-        rank += (((z - lse) >= lp_sel) & (offs < vocab - start)).to(tl.int32)
+        rank += ((z >= z_sel) & (offs < vocab - start)).to(tl.int32)
         if not TOKEN_IDS:
             worst = tl.min(best_z, 0)
             bm = tl.max(z, 0)

@@ -31,6 +31,10 @@ def _compare(got, want, atol=2e-6):
     # top-n ids agree wherever the logprob is not tied with a neighbour (or -inf padding)
     distinct = finite.clone()
     distinct[:, 1:-1] &= (want_vals[:, 1:-1] != want_vals[:, 2:]) & (want_vals[:, 1:-1] != want_vals[:, :-2])
+    # The last top-n column can tie with the best entry left out of the list, which neither
+    # side reports (seen on the H200 at V = 262144): its value is compared above, not its id.
+    if distinct.shape[1] > 2:
+        distinct[:, -1] = False
     assert torch.equal(ids[distinct], want_ids[distinct])
     assert (vals[finite] <= 1e-6).all()  # no positive logprobs
 
