@@ -234,7 +234,7 @@ class DiffusionSampler:
             plan = self._plan_tile(slots[t0:t1], starts[t0:t1] - r0, valid[t0:t1], widths[t0:t1],
                                    W, vocab, column_tokens)
             if hidden_input:
-                tile_logits = self._project(hidden_states[r0:r1], output_weight)
+                tile_logits = self._project(hidden_states[r0:r1], output_weight, valid[t0:t1])
             else:
                 tile_logits = logits[r0:r1]
             out = self._run_tile(plan, tile_logits, stats_fn, hidden_input, column_tokens)
@@ -303,10 +303,21 @@ class DiffusionSampler:
             sc_reduce=self.sc_reduce,
         )
 
-    def _project(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def _project(self, hidden: torch.Tensor, weight: torch.Tensor, lengths) -> torch.Tensor:
         """Logits of one tile, ``hidden @ weight.T`` in the model dtype (as vLLM's lm_head);
-        the kernels upcast to fp32 and apply the softcap in registers."""
-        return hidden @ weight.t()
+        the kernels upcast to fp32 and apply the softcap in registers.
+
+        One GEMM per request: a BLAS may round a row differently depending on how many rows
+        share the GEMM, and a request's results must not depend on the tile it lands in.
+        """
+        out = torch.empty(hidden.shape[0], weight.shape[0], dtype=torch.result_type(hidden, weight),
+                          device=hidden.device)
+        r = 0
+        for k in lengths:
+            k = int(k)
+            torch.matmul(hidden[r:r + k], weight.t(), out=out[r:r + k])
+            r += k
+        return out
 
     def _embed_for(self, column_tokens: torch.Tensor | None) -> torch.Tensor:
         if column_tokens is None:
