@@ -14,6 +14,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
 
 
+def poisoned_row_stats(n, device):
+    """RowStats of ``n`` rows filled with garbage, so a row a kernel forgets to write cannot pass."""
+    from dgemma_sampler import reference
+
+    return reference.RowStats(
+        argmax=torch.full((n,), -7, dtype=torch.int64, device=device),
+        sample=torch.full((n,), -7, dtype=torch.int64, device=device),
+        entropy=torch.full((n,), 1234.5, device=device),
+        lse=torch.full((n,), 1234.5, device=device),
+        threshold=torch.full((n,), 1234.5, device=device),
+        has_nan=torch.ones(n, dtype=torch.bool, device=device),
+    )
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(1234)

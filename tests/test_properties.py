@@ -35,6 +35,7 @@ from unittest import mock
 
 import pytest
 import torch
+from conftest import poisoned_row_stats
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -101,14 +102,7 @@ def _triton_row_stats(block: int | None, poison: bool = True):
     run = partial(rs.row_stats_rows, config=config or None)
 
     def poisoned(n, device):
-        return reference.RowStats(
-            argmax=torch.full((n,), -7, dtype=torch.int64, device=device),
-            sample=torch.full((n,), -7, dtype=torch.int64, device=device),
-            entropy=torch.full((n,), 1234.5, device=device),
-            lse=torch.full((n,), 1234.5, device=device),
-            threshold=torch.full((n,), 1234.5, device=device),
-            has_nan=torch.ones(n, dtype=torch.bool, device=device),
-        )
+        return poisoned_row_stats(n, device)
 
     patches = [mock.patch.object(rs, "row_stats_rows", run)]
     if poison:

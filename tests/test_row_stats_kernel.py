@@ -14,6 +14,7 @@ import math
 
 import pytest
 import torch
+from conftest import poisoned_row_stats
 
 from dgemma_sampler import keyed_noise, ops, reference
 from dgemma_sampler.kernels import row_stats as rs
@@ -31,14 +32,7 @@ def poisoned(monkeypatch):
     """Outputs start as garbage so a row the kernels forget to write cannot pass."""
 
     def empty(n, device):
-        return reference.RowStats(
-            argmax=torch.full((n,), -7, dtype=torch.int64, device=device),
-            sample=torch.full((n,), -7, dtype=torch.int64, device=device),
-            entropy=torch.full((n,), 1234.5, device=device),
-            lse=torch.full((n,), 1234.5, device=device),
-            threshold=torch.full((n,), 1234.5, device=device),
-            has_nan=torch.ones(n, dtype=torch.bool, device=device),
-        )
+        return poisoned_row_stats(n, device)
 
     monkeypatch.setattr(rs, "_empty_stats", empty)
 
