@@ -213,10 +213,18 @@ def row_stats_rows_sharded(
     packed, stats = _local_partials_rows(local, row_request, row_position, temperature, seeds,
                                          draws, vocab_start=vocab_start, softcap=softcap,
                                          backend=backend)
-    world = world_size_of(group)
+    return _merge_ranks(packed, stats, temperature, row_request, world_size_of(group), group)
+
+
+def _merge_ranks(packed, local, temperature, row_request, world, group) -> RowStats:
+    """The single-GPU flat-row statistics from this rank's packed partials.
+
+    One rank: its own statistics. Otherwise one all_gather and the merge; with no rows every
+    rank skips the collective together (they all have the same rows).
+    """
     if world == 1:
-        return stats
-    if logits.shape[0] == 0:
+        return local  # the slice is the whole vocabulary
+    if packed.shape[0] == 0:
         return merge_row_partials(packed.unsqueeze(0), packed.new_zeros(0, dtype=torch.bool))
     gathered = _all_gather_rows(packed, world, group)
     greedy = (temperature.to(torch.float32) == 0)[row_request.to(torch.int64)]
@@ -340,16 +348,10 @@ def row_stats_sharded(
     world = world_size_of(group)
     _check_slice(v_local, vocab_start, vocab_size, world)
 
-    packed, local = local_row_partials(local_logits, temperature, seeds, draws,
-                                       vocab_start=vocab_start, softcap=softcap, backend=backend)
-    if world == 1:
-        return local.view(r, w)  # the slice is the whole vocabulary
-    n = r * w
-    if n == 0:  # every rank has the same R, W, so all skip the collective together
-        return merge_row_partials(packed.unsqueeze(0), packed.new_zeros(0, dtype=torch.bool)).view(r, w)
-    gathered = _all_gather_rows(packed, world, group)
-    greedy = (temperature.to(torch.float32) == 0).repeat_interleave(w)
-    return merge_row_partials(gathered, greedy).view(r, w)
+    flat, request, position = ops._flat_rows(local_logits)
+    packed, local = _local_partials_rows(flat, request, position, temperature, seeds, draws,
+                                         vocab_start=vocab_start, softcap=softcap, backend=backend)
+    return _merge_ranks(packed, local, temperature, request, world, group).view(r, w)
 
 
 def soft_embedding_sharded(
