@@ -64,6 +64,7 @@ class Stream(enum.IntEnum):
     GUMBEL = 1  # per-token noise of the categorical sample
     RENOISE = 2  # the random token a rejected canvas position takes
     CANVAS = 3  # the fresh canvas after prefill and after a commit
+    BLOCK = 4  # per-sampling-block noise of the categorical sample (keyed by block index)
 
 
 def _u32(x: torch.Tensor) -> torch.Tensor:

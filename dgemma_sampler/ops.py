@@ -109,6 +109,7 @@ def row_stats(
     top_p: torch.Tensor | None = None,
     allowed: torch.Tensor | None = None,
     backend: str = "auto",
+    sample_block: int = reference.SAMPLE_BLOCK,
 ) -> RowStats:
     """Per-position statistics of ``[num_requests, W, V]`` logits in one pass per row.
 
@@ -121,6 +122,8 @@ def row_stats(
     softcap : optional final-logit softcap ``c * tanh(x / c)`` applied in fp32.
     top_k : optional ``[R]`` int (0 or >= V: off). top_p : optional ``[R]`` float in (0, 1].
     allowed : optional ``[R, V]`` bool, the tokens each request may take.
+    sample_block : vocabulary positions per sampling block of the two-stage draw (a power
+        of two, part of what a seed draws; ``reference.py`` step 5). Keep the default.
 
     Returns a ``RowStats`` of ``[R, W]`` tensors: argmax / sample int64, entropy / lse /
     threshold fp32, has_nan bool. See ``reference.py`` for the exact semantics.
@@ -129,9 +132,11 @@ def row_stats(
     _check_request_params(logits, temperature, seeds, draws, top_k, top_p, allowed)
     if softcap is not None and not (softcap > 0 and softcap != float("inf")):
         raise ValueError(f"softcap must be None or a finite float > 0, got {softcap!r}")
+    reference.check_sample_block(sample_block)
     r, w, vocab = logits.shape
     flat, request, position = _flat_rows(logits)
-    kwargs = dict(softcap=softcap, top_k=top_k, top_p=top_p, allowed=allowed)
+    kwargs = dict(softcap=softcap, top_k=top_k, top_p=top_p, allowed=allowed,
+                  sample_block=sample_block)
     if resolve_backend(backend, logits.device) == "triton":
         from .kernels.row_stats import row_stats_rows as run
     else:

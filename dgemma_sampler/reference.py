@@ -22,16 +22,35 @@ Semantics of one row (``x`` the logits row), shared by every backend:
 4. ``z = min(x * inv_temperature, FLT_MAX)`` where ``inv_temperature = 1 / max(T, 1e-10)``
    is computed once per request in fp32. ``+inf`` logits therefore become the largest
    finite value: they tie at the top and share the probability.
-5. ``argmax`` = lowest index of the largest unmasked ``z``; ``sample`` = lowest index of
-   the largest unmasked ``z + G`` with ``G`` the keyed Gumbel noise of
-   (seed, draw, position, GUMBEL stream, token id), or the argmax when ``T == 0``.
+5. ``argmax`` = lowest index of the largest unmasked ``z``. ``sample`` is the argmax when
+   ``T == 0``; otherwise it is drawn in two keyed Gumbel-max stages:
+
+   a. The vocabulary axis is cut into *sampling blocks* of ``sample_block`` (default
+      ``SAMPLE_BLOCK`` = 4096) consecutive positions ``p = vocab_offset + column``; block
+      ``b`` holds ``[b * S, (b + 1) * S)``. Its key is ``lse_b + G_b``: ``lse_b`` the
+      logsumexp of the block's unmasked ``z`` (``-inf`` when none) and ``G_b`` the keyed
+      Gumbel noise of (seed, draw, position, BLOCK stream, b). The largest key wins, the
+      lowest ``b`` on ties.
+   b. Inside the winning block, the sample is the lowest index of the largest unmasked
+      ``z + G`` with ``G`` the keyed Gumbel noise of (seed, draw, position, GUMBEL stream,
+      token id).
+
+   Stage a picks block ``b`` with probability ``Z_b / Z`` and stage b token ``i`` of it with
+   ``exp(z_i) / Z_b``, so token ``i`` is drawn with probability exactly ``softmax(z)_i``.
+   Why two stages: a single Gumbel-max over the row needs a hashed random number per
+   vocabulary entry, which made the streaming kernel compute-bound (a 32-bit hash costs
+   more than everything else an entry needs). Here the stream needs one random number per
+   4096 entries, and only the winning block is read again for its per-token noise. The
+   keys still compose as a maximum over disjoint vocabulary slices that start on a block
+   boundary, which is what tensor parallelism needs.
 6. ``m = max z``, ``Z = sum exp(z - m)``, ``A = sum (z - m) exp(z - m)`` over unmasked
    entries; ``lse = m + log Z``; ``entropy = log Z - A / Z``.
 7. A row with no unmasked entry: argmax = sample = 0, entropy = 0, lse = -inf.
 
 ``vocab_offset`` shifts the token id used for the noise and for the returned indices, so
 a tensor-parallel rank holding the slice ``[vocab_offset, vocab_offset + V)`` draws the
-same noise for a token as a single GPU holding the whole vocabulary.
+same noise for a token as a single GPU holding the whole vocabulary (and, when the slice
+starts on a sampling-block boundary, computes the same block keys).
 """
 
 from __future__ import annotations
@@ -46,6 +65,9 @@ from .keyed_noise import Stream
 
 FLT_MAX = torch.finfo(torch.float32).max
 GREEDY_CLAMP = 1e-10
+# Vocabulary positions per sampling block (docstring, step 5a). A power of two; part of the
+# sampling semantics (changing it changes which token a seed draws), not a tuning knob.
+SAMPLE_BLOCK = 4096
 
 
 @dataclass
@@ -137,15 +159,24 @@ def row_stats_rows(
     vocab_offset: int = 0,
     column_tokens: torch.Tensor | None = None,
     chunk_rows: int = 64,
+    sample_block: int = SAMPLE_BLOCK,
+    sample_key: torch.Tensor | None = None,
 ) -> RowStats:
     """Reference row statistics over flat rows (see the module docstring).
 
     ``column_tokens`` ([V] int64, optional) names the token id of each logits column when
     the logits hold only an allowed subset of the vocabulary (vLLM's constrained reads):
-    the noise is keyed by that id and argmax / sample are returned as ids.
+    the per-token noise is keyed by that id and argmax / sample are returned as ids (the
+    sampling blocks still cut the columns). ``sample_key`` ([N] fp32, optional) receives
+    the key ``lse_b + G_b`` of each row's winning sampling block (``-inf`` for greedy rows
+    and rows with nothing unmasked): the number a tensor-parallel merge compares.
     """
     n_rows, vocab = logits.shape
     device = logits.device
+    check_sample_block(sample_block)
+    if sample_key is not None:
+        assert sample_key.shape == (n_rows,) and sample_key.dtype == torch.float32, \
+            "sample_key must be an [N] float32 tensor"
     inv_t = inverse_temperature(temperature)
     greedy = temperature.to(torch.float32) == 0
     out = RowStats(
@@ -182,11 +213,17 @@ def row_stats_rows(
         big_z = e.sum(dim=-1)
         a = torch.where(masked, 0.0, shifted * e).sum(dim=-1)
         argmax = torch.argmax(z, dim=-1)  # first index of the max: lowest id on ties
+        block_key, block_of_column = sampling_block_keys(
+            z, seeds[req], draws[req], row_position[r0:r1], vocab_offset, sample_block)
+        best_key, best_block = block_key.max(dim=-1)  # first max: lowest block on ties
         key = keyed_noise.row_key(seeds[req].unsqueeze(1), draws[req].unsqueeze(1),
                                   row_position[r0:r1].unsqueeze(1), Stream.GUMBEL)
         g = keyed_noise.gumbel(keyed_noise.token_bits(key, tokens.unsqueeze(0)))
-        noisy = torch.where(masked, float("-inf"), z + g)
+        outside = block_of_column.unsqueeze(0) != best_block.unsqueeze(1)
+        noisy = torch.where(masked | outside, float("-inf"), z + g)
         sample = torch.where(greedy[req], argmax, torch.argmax(noisy, dim=-1))
+        if sample_key is not None:
+            sample_key[r0:r1] = torch.where(greedy[req] | ~any_kept, float("-inf"), best_key)
         safe_z = torch.where(any_kept, big_z, 1.0)
         out.argmax[r0:r1] = torch.where(any_kept, tokens[argmax], tokens[0])
         out.sample[r0:r1] = torch.where(any_kept, tokens[sample], tokens[0])
@@ -195,6 +232,42 @@ def row_stats_rows(
         out.threshold[r0:r1] = thr
         out.has_nan[r0:r1] = has_nan
     return out
+
+
+def check_sample_block(sample_block: int) -> None:
+    if not (isinstance(sample_block, int) and sample_block >= 16
+            and sample_block & (sample_block - 1) == 0):
+        raise ValueError(f"sample_block must be a power of two >= 16, got {sample_block!r}")
+
+
+def sampling_block_keys(
+    z: torch.Tensor,
+    seeds: torch.Tensor,
+    draws: torch.Tensor,
+    positions: torch.Tensor,
+    vocab_offset: int,
+    sample_block: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys ``lse_b + G_b`` of the sampling blocks a row slice touches (step 5a).
+
+    ``z`` [n, V] fp32 with masked entries ``-inf``; ``seeds``, ``draws``, ``positions`` [n]
+    per row. Returns (keys [n, B] fp32 for the blocks ``vocab_offset // S ...`` in order,
+    block_of_column [V] int64 indexing those B blocks).
+    """
+    n, vocab = z.shape
+    s = sample_block
+    first = vocab_offset // s
+    lead = vocab_offset - first * s  # a slice may start inside a block
+    n_blocks = (lead + vocab + s - 1) // s
+    padded = torch.full((n, n_blocks * s), float("-inf"), dtype=torch.float32, device=z.device)
+    padded[:, lead:lead + vocab] = z
+    lse_b = torch.logsumexp(padded.view(n, n_blocks, s), dim=-1)  # -inf where all masked
+    block_ids = torch.arange(n_blocks, device=z.device, dtype=torch.int64) + first
+    key = keyed_noise.row_key(seeds.unsqueeze(1), draws.unsqueeze(1), positions.unsqueeze(1),
+                              Stream.BLOCK)
+    g = keyed_noise.gumbel(keyed_noise.token_bits(key, block_ids.unsqueeze(0)))
+    block_of_column = (torch.arange(vocab, device=z.device) + lead) // s
+    return lse_b + g, block_of_column
 
 
 def probabilities(

@@ -21,6 +21,7 @@ Transient bytes per request (the budget formula, ``bytes_per_request``):
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -30,12 +31,16 @@ import torch
 from . import reference
 from .config import SamplerConfig
 from .ops import FLOAT_DTYPES, check_tensor, resolve_backend
-from .state import DiffusionState
-from .step import StepOutput, decode_step
+from .state import DiffusionState, to_device_int64
+from .step import StepLayout, StepOutput, decode_step, step_layout
 
 STAT_BYTES = 64
 TORCH_BYTES_PER_ENTRY = 48
 DEFAULT_CPU_BUDGET = 1 << 30
+# Tile plans kept for reuse: a decoding batch keeps its shape for many steps, and a plan
+# (device index tensors, row layout, masks) costs a host->device copy and ~20 small ops.
+PLAN_CACHE_SIZE = 8
+TEMPERATURE_TABLE_MAX = 1 << 20  # entries (4 MiB)
 
 
 def memory_budget(device: torch.device, fraction: float) -> int:
@@ -115,10 +120,22 @@ class DiffusionSampler:
         self.stats_fn, self.soft_fn, self.logprobs_fn = backend_functions(self.backend)
         self.pending_logprobs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.last_tile_requests = 0
+        self._plans: OrderedDict[tuple, _TilePlan] = OrderedDict()
+        # The schedule temperature of every step count 0..N, computed once by the config's own
+        # formula on the device (so entries are bit-identical to computing it per step): one
+        # gather per step instead of six elementwise ops.
+        self._temperature_table = None
+        if cfg.max_denoising_steps <= TEMPERATURE_TABLE_MAX:
+            done = torch.arange(cfg.max_denoising_steps + 1, dtype=state.step.dtype, device=state.device)
+            self._temperature_table = cfg.temperature(done).to(torch.float32)
 
     # ---------------------------------------------------------------- plumbing
     def temperature_of(self, slots: torch.Tensor) -> torch.Tensor:
-        return self.cfg.temperature(self.state.step[slots]).to(torch.float32)
+        steps = self.state.step[slots]
+        if self._temperature_table is None:
+            return self.cfg.temperature(steps).to(torch.float32)
+        # max(N - n, 1) is constant past n = N - 1, so the table's last entry covers n >= N.
+        return self._temperature_table[steps.clamp(max=self.cfg.max_denoising_steps)]
 
     def prefill(self, slots: Sequence[int]) -> None:
         """Requests whose prompt is done: draw their first canvas and start denoising."""
@@ -164,11 +181,13 @@ class DiffusionSampler:
         """
         state = self.state
         slots = [int(s) for s in slots]
-        for s in slots:
-            state.check_slot(s)
-            if s not in state.active:
-                raise ValueError(f"slot {s} holds no request (add_request first)")
-        if len(set(slots)) != len(slots):
+        slot_set = set(slots)
+        if not slot_set <= state.active:  # (active slots are valid slots)
+            for s in slots:
+                state.check_slot(s)
+                if s not in state.active:
+                    raise ValueError(f"slot {s} holds no request (add_request first)")
+        if len(slot_set) != len(slots):
             raise ValueError("slots must not repeat")
         n = len(slots)
         widths = state.canvas_width_np[slots].astype(np.int64)
@@ -266,7 +285,8 @@ class DiffusionSampler:
         widths = state.canvas_width_np[slots].astype(np.int64)
         valid = widths.copy() if valid_len is None else np.asarray(valid_len, dtype=np.int64)
         starts = np.concatenate(([0], np.cumsum(valid)[:-1])).astype(np.int64)
-        plan = self._plan_tile(slots, starts, valid, widths, int(widths.max()), state.vocab_size, None)
+        plan = self._plan_tile(slots, starts, valid, widths, int(widths.max()), state.vocab_size, None,
+                               cache=False)
         stats_fn = self.stats_fn
 
         def run(logits: torch.Tensor) -> StepOutput:
@@ -274,18 +294,36 @@ class DiffusionSampler:
 
         return run
 
-    def _plan_tile(self, tile_slots, starts, valid, widths, W, vocab, column_tokens) -> "_TilePlan":
-        dev = self.state.device
-        slots_t = torch.tensor(tile_slots, dtype=torch.int64).to(dev, non_blocking=True)
+    def _plan_tile(self, tile_slots, starts, valid, widths, W, vocab, column_tokens,
+                   cache: bool = True) -> "_TilePlan":
+        """The device side of a tile's host decisions; reused while the batch keeps its
+        shape and no request was added or removed (``state.generation``)."""
+        state = self.state
+        key = (state.generation, tuple(tile_slots), starts.tobytes(), valid.tobytes(),
+               widths.tobytes(), W, vocab, column_tokens is None)
+        plan = self._plans.get(key) if cache else None
+        if plan is not None:
+            self._plans.move_to_end(key)
+            return plan
+        # One pinned host buffer, one copy that does not wait for the GPU.
+        slots_t, row_starts, valid_t, width_t = to_device_int64(
+            state.device, tile_slots, starts, valid, widths)
         top_k, top_p = self._top_k_top_p(tile_slots, slots_t)
-        return _TilePlan(
-            slots=list(tile_slots), slots_t=slots_t,
-            row_starts=torch.tensor(starts, dtype=torch.int64).to(dev, non_blocking=True),
-            valid=torch.tensor(valid, dtype=torch.int64).to(dev, non_blocking=True),
-            width=torch.tensor(widths, dtype=torch.int64).to(dev, non_blocking=True),
-            W=W, top_k=top_k, top_p=top_p,
-            allowed=None if column_tokens is not None else self.state.allowed_mask(tile_slots, vocab),
+        layout = step_layout(
+            state, slots_t, row_starts, valid_t, width_t, W, int(valid.sum()),
+            full_width=bool((widths == W).all()),
+            any_pins=any(s in state.pinned_slots for s in tile_slots))
+        plan = _TilePlan(
+            slots=list(tile_slots), slots_t=slots_t, row_starts=row_starts, valid=valid_t,
+            width=width_t, W=W, top_k=top_k, top_p=top_p,
+            allowed=None if column_tokens is not None else state.allowed_mask(tile_slots, vocab),
+            layout=layout,
         )
+        if cache and plan.allowed is None:  # ([n, V] masks are not worth holding on to)
+            self._plans[key] = plan
+            while len(self._plans) > PLAN_CACHE_SIZE:
+                self._plans.popitem(last=False)
+        return plan
 
     def _run_tile(self, plan: "_TilePlan", tile_logits, stats_fn, hidden_input, column_tokens):
         return decode_step(
@@ -301,6 +339,7 @@ class DiffusionSampler:
             column_tokens=column_tokens,
             vocab_start=self.vocab_start if column_tokens is None else 0,
             sc_reduce=self.sc_reduce,
+            layout=plan.layout, noise_backend=self.backend,
         )
 
     def _project(self, hidden: torch.Tensor, weight: torch.Tensor, lengths) -> torch.Tensor:
@@ -353,7 +392,7 @@ class DiffusionSampler:
             ids = token_ids.get(s)
             ids_t = None
             if ids is not None:
-                ids_t = torch.tensor(list(ids), dtype=torch.int64, device=rows.device).expand(k, -1)
+                ids_t = to_device_int64(rows.device, list(ids))[0].expand(k, -1)
             selected = out.stats.argmax[j, :k]
             if column_tokens is not None:
                 selected = torch.searchsorted(column_tokens, selected)
@@ -378,6 +417,7 @@ class _TilePlan:
     top_k: torch.Tensor | None
     top_p: torch.Tensor | None
     allowed: torch.Tensor | None
+    layout: StepLayout
 
 
 def _concat(outputs: list[StepOutput]) -> StepOutput:

@@ -14,11 +14,33 @@ import numpy as np
 import torch
 
 from .config import SamplerConfig
-from .keyed_noise import Stream, random_tokens
+from .keyed_noise import Stream
+
+
+def to_device_int64(device: torch.device, *arrays) -> list[torch.Tensor]:
+    """Small host int64 arrays on ``device`` with one copy that does not wait for the GPU.
+
+    A host->device ``cudaMemcpyAsync`` from pageable memory first waits until the stream has
+    drained, so the host could never run ahead of the GPU. Here the arrays are packed into
+    one pinned buffer and copied once (non-blocking); the device tensors are slices of that
+    one copy. The pinned buffer comes from PyTorch's caching host allocator, which records
+    an event on the copy and hands the block out again only once the copy has finished, so
+    a buffer is never rewritten while a copy from it may still be in flight.
+    """
+    parts = [np.asarray(a, dtype=np.int64).reshape(-1) for a in arrays]
+    sizes = [p.size for p in parts]
+    if device.type == "cuda":
+        host = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=True)
+        np.concatenate(parts, out=host.numpy())
+    else:
+        host = torch.from_numpy(np.concatenate(parts))
+    return list(host.to(device, non_blocking=True).split(sizes))
 
 
 def _as_index(slots, device) -> torch.Tensor:
-    return torch.as_tensor(slots, dtype=torch.int64).to(device, non_blocking=True)
+    if isinstance(slots, torch.Tensor):
+        return slots.to(device=device, dtype=torch.int64)
+    return to_device_int64(device, slots)[0]
 
 
 class DiffusionState:
@@ -85,7 +107,11 @@ class DiffusionState:
         self.constrained: dict[int, tuple[int, ...]] = {}
         self.top_k_np = np.zeros(max_num_reqs, dtype=np.int64)
         self.top_p_np = np.ones(max_num_reqs, dtype=np.float32)
+        self.pinned_slots: set[int] = set()
         self.active: set[int] = set()
+        # Bumped by every add/remove: host-side plans built from the mirrors above stay
+        # valid while it is unchanged.
+        self.generation = 0
         self._seed_source = torch.Generator().manual_seed(0x5EED)
 
     # ------------------------------------------------------------------ requests
@@ -129,6 +155,7 @@ class DiffusionState:
         if not (isinstance(top_p, (int, float)) and 0.0 < top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
         self.remove_request(slot)
+        self.generation += 1
         self.active.add(slot)
         self.is_encoder_phase[slot] = True
         self.step[slot] = 0
@@ -162,6 +189,7 @@ class DiffusionState:
             if any(not 0 <= p < width for p in pos):
                 raise ValueError(f"pinned positions must be in [0, {width})")
             self.pin_mask[slot, pos] = True
+            self.pinned_slots.add(slot)
         if read_only:
             self.read_only[slot] = True
             self.read_only_slots.add(slot)
@@ -174,6 +202,7 @@ class DiffusionState:
     def remove_request(self, slot: int) -> None:
         """Free ``slot``; every per-slot field returns to its default."""
         self.check_slot(slot)
+        self.generation += 1
         self.active.discard(slot)
         self.is_encoder_phase[slot] = False
         self.step[slot] = 0
@@ -191,14 +220,16 @@ class DiffusionState:
         self.seeded_slots.discard(slot)
         self.read_only_slots.discard(slot)
         self.single_step_slots.discard(slot)
+        self.pinned_slots.discard(slot)
         self.constrained.pop(slot, None)
 
     # ------------------------------------------------------------------ canvases
     def fresh_canvas(self, slots: torch.Tensor, width: int) -> torch.Tensor:
         """Uniform random canvases ``[n, width]`` keyed on (seed, draw, position)."""
-        pos = torch.arange(width, device=slots.device)
-        return random_tokens(self.seeds[slots].unsqueeze(1), self.draws[slots].unsqueeze(1),
-                             pos.unsqueeze(0), Stream.CANVAS, self.vocab_size)
+        from .step import noise_canvases, use_triton_noise
+
+        return noise_canvases(self.seeds[slots], self.draws[slots], width, self.vocab_size,
+                              (Stream.CANVAS,), triton=use_triton_noise(slots.device))[0]
 
     def finish_prefill(self, slots: Sequence[int] | torch.Tensor) -> None:
         """Draw the first canvas of ``slots`` (seed canvases replace it) and start denoising."""
@@ -211,13 +242,23 @@ class DiffusionState:
         self.is_encoder_phase[idx] = False
 
     def allowed_mask(self, slots: Sequence[int], vocab: int) -> torch.Tensor | None:
-        """``[len(slots), vocab]`` bool masks of the constrained slots (all True elsewhere)."""
+        """``[len(slots), vocab]`` bool masks of the constrained slots (all True elsewhere).
+
+        Built on the device from one small staged copy of (row, flat index) pairs: the
+        ``[n, vocab]`` mask never crosses the bus.
+        """
         if not self.constrained or not any(s in self.constrained for s in slots):
             return None
-        mask = torch.ones(len(slots), vocab, dtype=torch.bool)
+        rows, flat = [], []
         for i, s in enumerate(slots):
             ids = self.constrained.get(int(s))
             if ids is not None:
-                mask[i] = False
-                mask[i, list(ids)] = True
-        return mask.to(self.device, non_blocking=True)
+                if ids[-1] >= vocab:
+                    raise IndexError(f"allowed id {ids[-1]} of slot {s} is outside a vocabulary of {vocab}")
+                rows.append(i)
+                flat.append(i * vocab + np.asarray(ids, dtype=np.int64))
+        rows_t, flat_t = to_device_int64(self.device, rows, np.concatenate(flat))
+        mask = torch.ones(len(slots), vocab, dtype=torch.bool, device=self.device)
+        mask.index_fill_(0, rows_t, False)
+        mask.view(-1).index_fill_(0, flat_t, True)
+        return mask

@@ -13,19 +13,28 @@ Its canvas is ``width[j] >= valid_len[j]`` wide; positions in ``[valid_len, widt
 uniform row (entropy ``log V``, argmax 0) for confidence and acceptance and are never
 emitted. Everything below runs on the device without a host synchronisation, except the
 optional logprobs, which (as in vLLM) need to know on the host which requests converged.
+
+Host cost. An eager step is bound by how many operators the host dispatches (each costs
+15-25 us of dispatch and launch on a GPU, against ~1 us of kernel time), so the step keeps
+that number small: what depends only on the batch's shape lives in a ``StepLayout`` that the
+dispatcher builds once per batch shape; a step whose rows fill every canvas (the common
+case) takes the flat statistics as ``[n, W]`` views; the two keyed random canvases come from
+one Triton launch; and masks that are all True are not applied.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from . import reference
 from .keyed_noise import Stream, random_tokens
 from .reference import RowStats
+
+NOISE_STREAMS = (Stream.RENOISE, Stream.CANVAS)
 
 
 @dataclass
@@ -50,6 +59,54 @@ def row_layout(row_starts: torch.Tensor, valid_len: torch.Tensor, num_rows: int)
     return request, position
 
 
+@dataclass
+class StepLayout:
+    """The device tensors of a step that depend only on the batch's shape.
+
+    A batch keeps its shape (slots, valid lengths, canvas widths) for many steps, so the
+    dispatcher builds this once per shape and reuses it; nothing here is written by a step.
+    """
+
+    request: torch.Tensor  # [N] int64: request of each logits row
+    position: torch.Tensor  # [N] int64: canvas position of each logits row
+    positions: torch.Tensor  # [W] int64: 0 .. W-1
+    inside: torch.Tensor | None  # [n, W] bool: position < the request's width; None: all are
+    width_f: torch.Tensor  # [n] fp32 canvas widths (the mean entropy's divisor)
+    valid_i32: torch.Tensor  # [n] int32 valid lengths (tokens emitted on a commit)
+    sc_index: torch.Tensor  # [N] int64: row of each logits row in the flat self-conditioning view
+    ring_ids: torch.Tensor  # [ring] int64: 0 .. ring-1
+    dense: bool  # the rows are exactly the n x W canvas positions, in order
+    any_pins: bool  # some request of the batch has pinned positions
+
+
+def step_layout(
+    state, slots: torch.Tensor, row_starts: torch.Tensor, valid_len: torch.Tensor,
+    width: torch.Tensor, W: int, num_rows: int, *, full_width: bool = False, any_pins: bool = True,
+) -> StepLayout:
+    """Build the ``StepLayout`` of a batch (device ops only, no host sync).
+
+    ``full_width``: the caller knows every canvas is ``W`` wide. ``any_pins=False``: the caller
+    knows no request of the batch pins positions (the pin masks are then not read).
+    Rows that fill every canvas (``num_rows == n * W``; valid <= width <= W) imply both a
+    dense layout and full widths.
+    """
+    n = slots.numel()
+    dev = slots.device
+    dense = num_rows == n * W
+    request, position = row_layout(row_starts, valid_len, num_rows)
+    positions = torch.arange(W, device=dev)
+    inside = None
+    if not (dense or full_width):
+        inside = positions.unsqueeze(0) < width.unsqueeze(1)
+    sc_index = slots[request] * state.self_conditioning_embeds.shape[1] + position
+    ring = state.accepted_canvas_history.shape[1]
+    return StepLayout(
+        request=request, position=position, positions=positions, inside=inside,
+        width_f=width.to(torch.float32), valid_i32=valid_len.to(torch.int32), sc_index=sc_index,
+        ring_ids=torch.arange(ring, device=dev), dense=dense, any_pins=any_pins,
+    )
+
+
 def acceptance_mask(entropy: torch.Tensor, entropy_bound: float) -> torch.Tensor:
     """Entropy-bound acceptance over the last dimension.
 
@@ -67,17 +124,26 @@ def acceptance_mask(entropy: torch.Tensor, entropy_bound: float) -> torch.Tensor
 
 def _stats_padded(
     stats: RowStats, request: torch.Tensor, position: torch.Tensor, n: int, width: int,
-    phantom_entropy: float, phantom_argmax: int,
+    phantom_entropy: float, phantom_argmax: int | torch.Tensor,
 ) -> RowStats:
-    """Scatter flat-row statistics into ``[n, width]``, phantom positions filled in."""
+    """Scatter flat-row statistics into ``[n, width]``, phantom positions filled in.
+
+    ``phantom_argmax`` may be a 0-d device tensor (the first allowed id of a constrained
+    read), so that filling it in needs no host read.
+    """
     dev = request.device
 
     def full(value, dtype):
         return torch.full((n, width), value, dtype=dtype, device=dev)
 
+    if isinstance(phantom_argmax, torch.Tensor):
+        phantom = phantom_argmax.to(torch.int64).expand(n, width)
+        argmax, sample = phantom.clone(), phantom.clone()
+    else:
+        argmax, sample = full(phantom_argmax, torch.int64), full(phantom_argmax, torch.int64)
     out = RowStats(
-        argmax=full(phantom_argmax, torch.int64),
-        sample=full(phantom_argmax, torch.int64),
+        argmax=argmax,
+        sample=sample,
         entropy=full(phantom_entropy, torch.float32),
         lse=full(float("nan"), torch.float32),
         threshold=full(float("-inf"), torch.float32),
@@ -86,6 +152,30 @@ def _stats_padded(
     for dst, src in zip(out.as_tuple(), stats.as_tuple()):
         dst[request, position] = src.to(dst.dtype)
     return out
+
+
+def use_triton_noise(device: torch.device, noise_backend: str = "auto") -> bool:
+    """Whether the keyed random canvases come from the Triton kernel: always on CUDA
+    (one launch instead of ~120 int64 tensor ops), and under the interpreter when the step's
+    backend is Triton (so the CPU tests run the kernel); the PyTorch twin elsewhere."""
+    if noise_backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"noise_backend must be 'auto', 'triton' or 'torch', got {noise_backend!r}")
+    if device.type == "cuda":
+        return True
+    return noise_backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def noise_canvases(seeds: torch.Tensor, draws: torch.Tensor, width: int, vocab_size: int,
+                   streams=NOISE_STREAMS, *, triton: bool):
+    """Keyed uniform tokens of positions ``0 .. width-1``: one ``[n, width]`` int64 tensor
+    per stream (the planes of one ``[len(streams), n, width]`` tensor from the kernel)."""
+    if triton:
+        from .kernels.random_tokens import random_tokens_canvas
+
+        return random_tokens_canvas(seeds, draws, width, streams, vocab_size)
+    pos = torch.arange(width, device=seeds.device).unsqueeze(0)
+    return [random_tokens(seeds.unsqueeze(1), draws.unsqueeze(1), pos, s, vocab_size)
+            for s in streams]
 
 
 def denoise_update(
@@ -99,20 +189,45 @@ def denoise_update(
     confidence_threshold: float,
     entropy_bound: float,
     vocab_size: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    layout: StepLayout | None = None,
+    seeds: torch.Tensor | None = None,
+    draws: torch.Tensor | None = None,
+    noise_backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The accept/renoise/convergence/commit update of DESIGN section 2, steps 3-6.
 
-    ``stats`` are ``[n, W]`` (phantom positions filled in). Writes the state in place and
-    returns ``(sampled [n, W], num_sampled [n], sc_keep [n], just_converged [n], pinned)``.
+    ``stats`` are ``[n, W]`` (phantom positions filled in). ``layout`` (optional) carries
+    the shape-only tensors (only its ``inside``/``positions``/``width_f``/``valid_i32``/
+    ``ring_ids``/``any_pins`` are read here); ``seeds`` / ``draws`` the already gathered
+    ``state.seeds[slots]`` / ``state.draws[slots]``. Writes the state in place and returns
+    ``(sampled [n, W], num_sampled [n], sc_keep [n], just_converged [n], pinned)`` with
+    ``pinned`` None when no request pins positions.
     """
-    n = slots.numel()
     dev = slots.device
-    pos = torch.arange(W, device=dev)
-    inside = pos.unsqueeze(0) < width.unsqueeze(1)  # positions of each request's canvas
-    entropy = torch.where(inside, stats.entropy, float("inf"))
+    if layout is None:
+        positions = torch.arange(W, device=dev)
+        inside = positions.unsqueeze(0) < width.unsqueeze(1)
+        width_f, valid_i32 = width.to(torch.float32), valid_len.to(torch.int32)
+        ring_ids = torch.arange(state.accepted_canvas_history.shape[1], device=dev)
+        any_pins = True
+    else:
+        inside, width_f, valid_i32 = layout.inside, layout.width_f, layout.valid_i32
+        ring_ids, any_pins = layout.ring_ids, layout.any_pins
+    if seeds is None:
+        seeds = state.seeds[slots]
+    if draws is None:
+        draws = state.draws[slots]
+
+    def within(mask):  # ``mask & inside``; ``inside`` None means every position is inside
+        return mask if inside is None else mask & inside
 
     # 3. Confidence: mean entropy over the canvas (phantom positions included, as vLLM).
-    mean_entropy = torch.where(inside, stats.entropy, 0.0).sum(-1) / width.to(torch.float32)
+    if inside is None:
+        entropy = stats.entropy
+        mean_entropy = entropy.sum(-1) / width_f
+    else:
+        entropy = torch.where(inside, stats.entropy, float("inf"))
+        mean_entropy = torch.where(inside, stats.entropy, 0.0).sum(-1) / width_f
     confident = mean_entropy < confidence_threshold
     state.confident[slots] = confident
 
@@ -123,49 +238,55 @@ def denoise_update(
     # sample, the others a fresh uniform token; pinned positions keep their seed token.
     is_commit = state.is_encoder_phase[slots]
     is_denoise = ~is_commit
-    step_after = torch.where(is_denoise, state.step[slots] + 1, 0).to(state.step.dtype)
+    step_after = (state.step[slots] + 1) * is_denoise  # +1 on denoise, 0 on commit
     state.step[slots] = step_after
-    seeds = state.seeds[slots].unsqueeze(1)
-    draws = state.draws[slots].unsqueeze(1)
-    renoise = random_tokens(seeds, draws, pos.unsqueeze(0), Stream.RENOISE, vocab_size)
-    fresh = random_tokens(seeds, draws, pos.unsqueeze(0), Stream.CANVAS, vocab_size)
-    pinned = state.pin_mask[slots, :W]
+    renoise, fresh = noise_canvases(seeds, draws, W, vocab_size,
+                                    triton=use_triton_noise(dev, noise_backend))
     denoised = torch.where(accepted, stats.sample, renoise)
-    denoised = torch.where(pinned, state.seed_canvas[slots, :W], denoised)
-    old_canvas = state.canvas[slots, :W]
+    pinned = None
+    if any_pins:
+        pinned = state.pin_mask[slots, :W]
+        denoised = torch.where(pinned, state.seed_canvas[slots, :W], denoised)
     new_canvas = torch.where(is_commit.unsqueeze(1), fresh, denoised)
-    new_canvas = torch.where(inside, new_canvas, old_canvas)
 
     # 6. Stability ring of argmax canvases (denoise steps write, commits reset).
-    ring = state.accepted_canvas_history.shape[1]
+    ring = ring_ids.numel()
     hist_len = state.accepted_canvas_history_len[slots]
     history = state.accepted_canvas_history[slots, :, :W]
-    write = (torch.arange(ring, device=dev).unsqueeze(0) == (hist_len % ring).unsqueeze(1))
-    write = (write & is_denoise.unsqueeze(1)).unsqueeze(2) & inside.unsqueeze(1)
+    write = (ring_ids.unsqueeze(0) == (hist_len % ring).unsqueeze(1)) & is_denoise.unsqueeze(1)
+    write = write.unsqueeze(2)
+    if inside is not None:
+        write = write & inside.unsqueeze(1)
     history = torch.where(write, stats.argmax.unsqueeze(1), history)
     state.accepted_canvas_history[slots, :, :W] = history
     argmax_canvas = state.argmax_canvas[slots, :W]
-    argmax_canvas = torch.where(is_denoise.unsqueeze(1) & inside, stats.argmax, argmax_canvas)
+    argmax_canvas = torch.where(within(is_denoise.unsqueeze(1)), stats.argmax, argmax_canvas)
     state.argmax_canvas[slots, :W] = argmax_canvas
-    new_hist_len = torch.where(is_denoise, hist_len + 1, 0).to(hist_len.dtype)
+    new_hist_len = (hist_len + 1) * is_denoise
     state.accepted_canvas_history_len[slots] = new_hist_len
-    mismatch = ((history != history[:, :1]) & inside.unsqueeze(1)).any(dim=2).any(dim=1)
-    stable = ~mismatch
+    mismatch = history != history[:, :1]
+    if inside is not None:
+        mismatch = mismatch & inside.unsqueeze(1)
+    stable = ~mismatch.any(dim=2).any(dim=1)
     converged = (stable & confident & (new_hist_len >= ring)) | (
         step_after >= state.max_steps[slots]
     )
-    commit_next = torch.where(is_commit, False, converged)
-    read_only = state.read_only[slots]
-    emit = is_commit | (is_denoise & converged & read_only)
-    sampled = argmax_canvas * emit.unsqueeze(1) * inside
-    num_sampled = (emit * valid_len).to(torch.int32)
-    # Soft embeddings are stored only for requests that denoise again next step.
-    sc_keep = is_denoise & ~commit_next
+    # A converging denoise step commits next (a commit step never converges again).
     just_converged = converged & is_denoise
-    new_canvas = torch.where(just_converged.unsqueeze(1) & inside, argmax_canvas, new_canvas)
-    state.canvas[slots, :W] = new_canvas
-    state.is_encoder_phase[slots] = commit_next & ~read_only
-    state.draws[slots] += 1
+    read_only = state.read_only[slots]
+    emit = is_commit | (just_converged & read_only)
+    sampled = argmax_canvas * within(emit.unsqueeze(1))
+    num_sampled = emit * valid_i32
+    # Soft embeddings are stored only for requests that denoise again next step.
+    sc_keep = is_denoise & ~just_converged
+    # Converging requests show their argmax canvas (= stats.argmax inside the canvas).
+    new_canvas = torch.where(just_converged.unsqueeze(1), stats.argmax, new_canvas)
+    if inside is None:
+        state.canvas[slots, :W] = new_canvas
+    else:
+        state.canvas[slots, :W] = torch.where(inside, new_canvas, state.canvas[slots, :W])
+    state.is_encoder_phase[slots] = just_converged & ~read_only
+    state.draws[slots] = draws + 1
     return sampled, num_sampled, sc_keep, just_converged, pinned
 
 
@@ -193,6 +314,8 @@ def decode_step(
     column_tokens: torch.Tensor | None = None,
     vocab_start: int = 0,
     sc_reduce: Callable[[torch.Tensor], None] | None = None,
+    layout: StepLayout | None = None,
+    noise_backend: str = "auto",
 ) -> StepOutput:
     """Run one decode step for the requests in ``slots`` (device tensors, no host sync).
 
@@ -202,10 +325,14 @@ def decode_step(
     None; ``column_tokens`` names the token of each logits column when the logits hold an
     allowed subset only. ``sc_reduce`` all-reduces the soft embedding across
     tensor-parallel ranks (in place) when the embedding is a vocabulary slice.
+    ``layout`` is the batch's ``step_layout`` when the caller keeps one (built here
+    otherwise); ``noise_backend`` picks the random-canvas implementation (``use_triton_noise``).
     """
     n = slots.numel()
     n_rows, cols = logits.shape
-    request, position = row_layout(row_starts, valid_len, n_rows)
+    if layout is None:
+        layout = step_layout(state, slots, row_starts, valid_len, width, W, n_rows)
+    request, position = layout.request, layout.position
     temperature = temperature_of(slots)
     seeds = state.seeds[slots]
     draws = state.draws[slots]
@@ -213,13 +340,18 @@ def decode_step(
     if column_tokens is not None:
         kwargs["column_tokens"] = column_tokens
     flat = stats_fn(logits, request, position, temperature, seeds, draws, **kwargs)
-    phantom_argmax = 0 if column_tokens is None else int(column_tokens[0])
-    stats = _stats_padded(flat, request, position, n, W, math.log(cols), phantom_argmax)
+    if layout.dense:
+        # Every canvas is full: rows are the [n, W] positions in order, nothing to pad.
+        stats = RowStats(*(t.reshape(n, W) for t in flat.as_tuple()))
+    else:
+        phantom_argmax = 0 if column_tokens is None else column_tokens[0]
+        stats = _stats_padded(flat, request, position, n, W, math.log(cols), phantom_argmax)
 
     sampled, num_sampled, sc_keep, just_converged, pinned = denoise_update(
         state, slots, stats, valid_len, width, W,
         confidence_threshold=confidence_threshold, entropy_bound=entropy_bound,
-        vocab_size=vocab_size,
+        vocab_size=vocab_size, layout=layout, seeds=seeds, draws=draws,
+        noise_backend=noise_backend,
     )
 
     # 7. Self-conditioning: written straight into the slot-indexed state rows.
@@ -229,12 +361,16 @@ def decode_step(
     # width are never read).
     sc.index_fill_(0, slots, 0.0)
     if soft_fn is not None and embed_weight is not None:
-        keep = sc_keep[request] & ~pinned[request, position]
+        if pinned is None:
+            keep = sc_keep[request]
+        elif layout.dense:
+            keep = (sc_keep.unsqueeze(1) & ~pinned).view(-1)
+        else:
+            keep = (sc_keep.unsqueeze(1) & ~pinned)[request, position]
         sc_rows = sc.view(-1, sc.shape[-1])
-        out_index = slots[request] * sc.shape[1] + position
         soft_fn(logits, request, temperature, flat.lse, embed_weight, normalizer, keep=keep,
                 threshold=flat.threshold, allowed=allowed, vocab_start=vocab_start,
-                softcap=softcap, out=sc_rows, out_index=out_index)
+                softcap=softcap, out=sc_rows, out_index=layout.sc_index)
         if sc_reduce is not None:
             # Partial sums of a vocabulary slice: add the other ranks' (in fp32).
             part = sc[slots, :W]

@@ -29,14 +29,16 @@ row-statistics pass would remove it.
 
 ``argmax`` is the lowest global id among the ranks' local argmaxes whose ``z`` is the
 largest, which is exactly "lowest id of the largest z" over the whole row. ``sample`` is
-the same with the key ``z + G(global id)``: the Gumbel-max winner of the row is the winner
-of the winners, because the keyed noise of a token depends on its global id only (the
-local pass runs with ``vocab_offset = vocab_start``). Greedy rows (T == 0) take the merged
-argmax. The ``z`` and the key of a local winner are recomputed here from one gathered logit
-per row, with the same fp32 operations as ``reference.py``; when a backend computes them
-with a different ``tanh`` / ``log`` (softcap, Gumbel noise) they can differ by an ulp, so a
-cross-rank near-tie within an ulp may resolve differently than on one GPU (the only
-documented difference; exact ties always go to the lowest global id).
+the same with the key of the local winner's sampling block, ``lse_b + G_b`` (reference
+step 5): the two-stage draw of the row is the winner of the ranks' draws, because every
+slice starts on a sampling-block boundary (``vocab_start`` a multiple of ``sample_block``,
+checked), so each block lies on one rank, whose local pass (``vocab_offset =
+vocab_start``) computes the same block key and the same in-block Gumbel-max as one GPU.
+Greedy rows (T == 0) take the merged argmax. The ``z`` of a local argmax is recomputed here
+from one gathered logit per row with the fp32 operations of ``reference.py``, and the block
+key comes from the local pass; a backend whose ``tanh`` / ``log`` differ by an ulp can
+resolve a cross-rank near-tie within an ulp differently than one GPU (the only documented
+difference; exact ties always go to the lowest global id).
 
 A row that no rank kept (every entry masked) gives argmax = sample = 0, entropy = 0,
 lse = -inf, as on one GPU; ``has_nan`` is OR-ed over the ranks.
@@ -55,8 +57,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import keyed_noise, ops, reference
-from .keyed_noise import Stream
+from . import ops, reference
 from .reference import FLT_MAX, RowStats
 
 # Columns of the packed per-row partials (int32; fp32 values travel as their bit patterns,
@@ -72,18 +73,24 @@ _TP_UNSUPPORTED = (
 )
 
 
-def vocab_slice(vocab_size: int, rank: int, world_size: int) -> tuple[int, int]:
-    """``[start, end)`` of ``rank``'s share when ``vocab_size`` is split as evenly as possible.
+def vocab_slice(vocab_size: int, rank: int, world_size: int,
+                sample_block: int = reference.SAMPLE_BLOCK) -> tuple[int, int]:
+    """``[start, end)`` of ``rank``'s share: whole sampling blocks, split as evenly as possible.
 
-    The first ``vocab_size % world_size`` ranks hold one token more. (vLLM pads each
-    partition to a multiple of 64 instead; any partition works with this module as long as
-    the slices tile ``[0, vocab_size)`` and padding columns are cut off the local logits.)
+    Slices start on sampling-block boundaries (what the sharded statistics require); the
+    first ranks hold one block more, the last slice ends at ``vocab_size``, and a rank can
+    get nothing when there are fewer blocks than ranks. (vLLM pads each partition to a
+    multiple of 64 instead, which is a block boundary only for some vocabulary sizes; any
+    block-aligned partition works with this module.)
     """
     if not (0 <= rank < world_size):
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-    base, extra = divmod(vocab_size, world_size)
-    start = rank * base + min(rank, extra)
-    return start, start + base + (1 if rank < extra else 0)
+    reference.check_sample_block(sample_block)
+    blocks = -(-vocab_size // sample_block)
+    base, extra = divmod(blocks, world_size)
+    first = rank * base + min(rank, extra)
+    last = first + base + (1 if rank < extra else 0)
+    return min(first * sample_block, vocab_size), min(last * sample_block, vocab_size)
 
 
 def world_size_of(group=None) -> int:
@@ -127,6 +134,7 @@ def local_row_partials(
     vocab_start: int,
     softcap: float | None = None,
     backend: str = "auto",
+    sample_block: int = reference.SAMPLE_BLOCK,
 ) -> tuple[torch.Tensor, RowStats | None]:
     """Statistics of this rank's vocabulary slice, packed as ``[R * W, NUM_FIELDS]`` int32.
 
@@ -135,14 +143,22 @@ def local_row_partials(
     """
     flat, request, position = ops._flat_rows(local_logits)
     return _local_partials_rows(flat, request, position, temperature, seeds, draws,
-                                vocab_start=vocab_start, softcap=softcap, backend=backend)
+                                vocab_start=vocab_start, softcap=softcap, backend=backend,
+                                sample_block=sample_block)
 
 
 def _local_partials_rows(flat, request, position, temperature, seeds, draws, *, vocab_start,
-                         softcap, backend):
+                         softcap, backend, sample_block=reference.SAMPLE_BLOCK):
     """``local_row_partials`` on flat rows ``[N, V_local]`` with their request / position."""
     n, v_local = flat.shape
     device = flat.device
+    reference.check_sample_block(sample_block)
+    if vocab_start % sample_block:
+        raise ValueError(
+            f"a vocabulary slice must start on a sampling-block boundary: vocab_start "
+            f"{vocab_start} is not a multiple of sample_block {sample_block} (the sample would "
+            f"differ from one GPU's)"
+        )
     if v_local == 0:
         packed = torch.zeros(n, NUM_FIELDS, dtype=torch.int32, device=device)
         neg_inf = torch.full((n,), float("-inf"), dtype=torch.float32, device=device)
@@ -153,12 +169,13 @@ def _local_partials_rows(flat, request, position, temperature, seeds, draws, *, 
         from .kernels.row_stats import row_stats_rows as run
     else:
         run = reference.row_stats_rows
+    sample_key = torch.empty(n, dtype=torch.float32, device=device)
     stats = run(flat, request, position, temperature, seeds, draws, softcap=softcap,
-                vocab_offset=vocab_start)
+                vocab_offset=vocab_start, sample_block=sample_block, sample_key=sample_key)
 
-    # z and key of the local winners, recomputed from one logit per row with the fp32
-    # operations of reference.py: the kernel does not export them, and one gathered logit
-    # per row costs nothing next to the pass over the slice.
+    # z of the local argmax, recomputed from one logit per row with the fp32 operations of
+    # reference.py: the kernel does not export it, and one gathered logit per row costs
+    # nothing next to the pass over the slice.
     req = request.to(torch.int64)
     inv_t = reference.inverse_temperature(temperature)[req]
 
@@ -167,12 +184,10 @@ def _local_partials_rows(flat, request, position, temperature, seeds, draws, *, 
         x = flat.gather(1, local.unsqueeze(1)).squeeze(1)
         return torch.clamp(reference.softcapped(x, softcap) * inv_t, max=FLT_MAX)
 
-    key = keyed_noise.row_key(seeds[req], draws[req], position, Stream.GUMBEL)
-    gumbel = keyed_noise.gumbel(keyed_noise.token_bits(key, stats.sample))
     packed = torch.stack(
         [
             _f32_bits(z_of(stats.argmax)),
-            _f32_bits(z_of(stats.sample) + gumbel),
+            _f32_bits(sample_key),
             _f32_bits(stats.lse),
             _f32_bits(stats.entropy),
             stats.argmax.to(torch.int32),
@@ -200,6 +215,7 @@ def row_stats_rows_sharded(
     top_p: torch.Tensor | None = None,
     allowed: torch.Tensor | None = None,
     backend: str = "auto",
+    sample_block: int = reference.SAMPLE_BLOCK,
 ) -> RowStats:
     """Flat-row statistics (the decode step's ``stats_fn``) computed from one vocabulary slice.
 
@@ -212,7 +228,7 @@ def row_stats_rows_sharded(
     local = logits[:, vocab_start:vocab_end]
     packed, stats = _local_partials_rows(local, row_request, row_position, temperature, seeds,
                                          draws, vocab_start=vocab_start, softcap=softcap,
-                                         backend=backend)
+                                         backend=backend, sample_block=sample_block)
     return _merge_ranks(packed, stats, temperature, row_request, world_size_of(group), group)
 
 
@@ -320,6 +336,7 @@ def row_stats_sharded(
     top_p: torch.Tensor | None = None,
     allowed: torch.Tensor | None = None,
     backend: str = "auto",
+    sample_block: int = reference.SAMPLE_BLOCK,
 ) -> RowStats:
     """``ds.row_stats`` of the full-vocabulary logits, from this rank's slice and one all_gather.
 
@@ -329,7 +346,8 @@ def row_stats_sharded(
         ``[vocab_start, vocab_start + V_local)`` of the ``[R, W, vocab_size]`` logits
         (contiguous in V; ``V_local`` may be 0). Every rank passes the same ``R, W``.
     temperature, seeds, draws : ``[R]``, identical on every rank (see ``ds.row_stats``).
-    vocab_start, vocab_size : this rank's offset and the full vocabulary size.
+    vocab_start, vocab_size : this rank's offset (a multiple of ``sample_block``) and the
+        full vocabulary size.
     group : the tensor-parallel process group (None: the default group, or a single
         process when torch.distributed is not initialized).
 
@@ -350,7 +368,8 @@ def row_stats_sharded(
 
     flat, request, position = ops._flat_rows(local_logits)
     packed, local = _local_partials_rows(flat, request, position, temperature, seeds, draws,
-                                         vocab_start=vocab_start, softcap=softcap, backend=backend)
+                                         vocab_start=vocab_start, softcap=softcap, backend=backend,
+                                         sample_block=sample_block)
     return _merge_ranks(packed, local, temperature, request, world, group).view(r, w)
 
 

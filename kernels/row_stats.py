@@ -1,49 +1,48 @@
-"""Row statistics in one streaming pass: lse, entropy, arg-max and a keyed Gumbel-max sample.
+"""Row statistics in one streaming pass: lse, entropy, arg-max and a keyed two-stage sample.
 
 One program per logits row (a canvas position of a request) walks the vocabulary in
 blocks of ``BLOCK`` entries and keeps every per-token quantity in registers; it writes six
 numbers per row. Semantics: ``dgemma_sampler.reference.row_stats_rows`` (masking, NaN, +inf,
-all-masked rows, greedy rows, lowest id on ties).
+all-masked rows, greedy rows, lowest id on ties, the two sampling stages).
 
-Per block, with ``z = min(x * inv_t, FLT_MAX)`` (``inv_t`` computed once per request on the
-host side by ``reference.inverse_temperature``, so ``z`` is bit-identical to the oracle's)::
+Statistics, with ``z = x * inv_t`` (``inv_t`` computed once per request on the host side by
+``reference.inverse_temperature``, so ``z`` is bit-identical to the oracle's), per
+vocabulary block, relative to the row's running maximum ``m``::
 
     bm = max z over the block
     if bm > m:  rescale the running sums by 2^((m - bm) log2 e); m = bm; arg = lowest such id
     u = (z - m) log2 e;  R += 2^u (all but the arg-max entry);  A2 += u 2^u
 
-(see ``logit_row.py`` for why the arg-max entry's 1 is kept out of ``R``).
+(see ``logit_row.py`` for why the arg-max entry's 1 is kept out of ``R``). The per-lane sums
+restart at every sampling block (``SAMPLE_BLOCK`` positions); when one ends, its sums join
+the row's, and its key ``lse_b + G_b = m + log(R_b) + G(seed, draw, position, BLOCK
+stream, b)`` competes for the sample (stage a of the reference). The maximum is not reset
+per sampling block, so rescaling stays as rare as in a single running softmax. A
+tensor-parallel rank computes the same block keys up to rounding (its running maximum
+differs), so a cross-rank draw can differ only at a near-tie of two block keys.
 
-Sampling is Gumbel-max with the keyed noise of ``keyed_noise.py``: the sample is the lowest
-id of the largest ``z + G(seed, draw, position, token)``. Computing ``G`` costs about 85
-instructions per entry (the murmur hash, two accurate logarithms), several times the rest of
-the pass, so the kernel computes it only where it can change the answer:
+Per entry the hot loop is about eight instructions: convert, scale, max, one FMA, ``exp2``,
+two accumulations and a clamp. NaN and +inf logits cost nothing there: they make the
+block's sum NaN (``2^NaN``, or ``inf - inf``), and a sampling block whose sum is NaN is
+read again on a clean path that masks NaN, clamps +inf to FLT_MAX and flags the row, the
+reference semantics. ``-inf`` (masked) entries give ``2^-inf = 0`` and a clamped ``u``.
 
-1. Block skip. ``G <= GUMBEL_MAX`` (22.9: the noise of 32-bit uniforms tops out at 33 ln 2),
-   so a block with ``bm + GUMBEL_MAX < best`` (best key so far) cannot hold the winner.
-2. Hash filter. Otherwise only the hash (about 14 instructions) is computed. Since
-   ``E >= w`` (the exponential of a uniform ``w`` is at least ``w``), ``G = -log E <= -log w``,
-   and an entry can reach ``best`` only if ``w <= exp(z - best)`` = ``e * exp(m - best)``
-   with ``e = 2^u`` already computed for the sums. One compare per entry, with a relative
-   slack far above every rounding error, says whether any entry of the block can win.
-3. Only a block that passes both computes the exact noise (the same operation sequence as
-   the oracle) and updates ``best``.
-
-Instruction counts (sm_90 SASS, per entry): about 18 for the sums, arg-max and masks, 20 more
-for hash and filter, 70 more in a block that computes the exact noise. On a row of comparable
-logits the filter should let through about ln(number of blocks) blocks per row (the running
-best is rarely beaten); on a peaked row the block skip removes the tail blocks outright
-(estimates: ``bench/bench_row_stats.py`` measures the result, and ``noise_filter=False``
-what the filter saves). The result is exactly the full Gumbel-max
-(both tests are conservative), so the sample matches the oracle bit for bit up to the last
-ulp of ``log`` (keys closer than that can resolve differently; tests check such near-ties).
-
-Why Gumbel-max and not an exponential race or inverse CDF: the oracle and the tensor-parallel
-path need a per-token key that composes as a max across vocabulary slices (a rank holding
-``[vocab_offset, vocab_offset + V)`` draws the same noise for a token as a single GPU), and
-the keyed 32-bit noise reaches the Gumbel tail to 22.9 nats. The race ``e / E`` would save one
-log per entry, but the filter above already removes the logs from almost every entry, and
-the race's keys are not the oracle's keys.
+Why two stages and not one Gumbel-max over the row (this kernel's first version): the
+keyed per-token noise costs a 32-bit hash per entry, about 20 instructions even behind a
+filter, several times the statistics above, and it kept the pass compute-bound at about
+half the copy bandwidth with fp32 logits and a quarter with bf16
+(``bench/results/row_stats-h200-v2.log``). Exact inverse-CDF sampling would need the row's
+total before the search and a second pass. The two-stage draw needs one random number per
+sampling block in the stream, and after the stream it reads the winning block again
+(``SAMPLE_BLOCK`` entries, 1/64 of a 262144 row) for stage b: the per-token Gumbel-max of
+the first version, with its hash filter. There the noise ``G`` (murmur hash, two accurate
+logarithms) is computed only where it can win: ``G = -log E <= -log w`` for the uniform
+``w`` of the hash, so an entry can reach the best key only if ``w <= exp(z - best)``; one
+compare per entry on the hash (with a relative slack far above every rounding error)
+decides whether a vocabulary block needs the exact noise. The result is exactly the
+Gumbel-max (the test is conservative), so the sample matches the oracle bit for bit up to
+the last ulp of ``log`` and of the block lse (keys closer than that can resolve
+differently; tests check that such differences are near-ties).
 
 Rows with top-k / top-p: ``topk_topp.py`` finds the threshold first and, when the kept set
 is small, computes the whole row's statistics from its candidates and marks the row done;
@@ -59,7 +58,8 @@ from dgemma_sampler import reference
 from dgemma_sampler.reference import RowStats
 
 from . import keyed_noise as kn
-from .logit_row import LOG2E, NEG_INF, NO_INDEX, U_FLOOR, finish_stats, scaled, softcapped
+from .logit_row import (FLT_MAX, LOG2E, NEG_INF, NO_INDEX, U_FLOOR, finish_stats, log1p, scaled,
+                        softcapped)
 
 # Largest Gumbel value of keyed_noise: bits = 0 gives E = 2^-33, G = 33 ln 2 = 22.87.
 GUMBEL_MAX = tl.constexpr(22.9)
@@ -68,11 +68,87 @@ TWO_POW_32 = tl.constexpr(4294967296.0)
 # e = 2^u of every possible winner (z > best - 23) stay above fp32's underflow.
 FILTER_MAX_GAP = tl.constexpr(60.0)
 GUMBEL_STREAM = tl.constexpr(1)  # keyed_noise.Stream.GUMBEL
-# Below this |m| the exp2 argument is formed with one FMA, z * log2(e) - m * log2(e). The FMA
-# subtracts the rounded m * log2(e), off by up to half its ulp: 2^-13 at |m| < 2048, but ~1e4
+BLOCK_STREAM = tl.constexpr(4)   # keyed_noise.Stream.BLOCK
+# Below this |M| the exp2 argument is formed with one FMA, z * log2(e) - M * log2(e). The FMA
+# subtracts the rounded M * log2(e), off by up to half its ulp: 2^-13 at |M| < 2048, but ~1e4
 # for a greedy row (z = x * 1e10), where an entry tied with the max would get 2^16384 = inf
-# (seen on the H200 with bf16 logits, whose ties are common). Larger |m| takes z - m exactly.
+# (seen on the H200 with bf16 logits, whose ties are common). Larger |M| takes z - M exactly.
 EXP_FAST_LIMIT = tl.constexpr(2048.0)
+
+
+@triton.jit
+def _block_z(x, offs, start, vocab, inv_t, threshold, allowed_row,
+             SOFTCAP: tl.constexpr, HAS_THRESHOLD: tl.constexpr, HAS_ALLOWED: tl.constexpr,
+             CLEAN: tl.constexpr):
+    """``z`` of one vocabulary block of fp32 logits ``x`` (padding past the row end is -inf).
+
+    ``CLEAN``: the reference semantics (NaN masked, +inf clamped to FLT_MAX). Otherwise NaN
+    and +inf pass through unmasked so that the block's sum turns NaN and the caller re-reads
+    it cleanly; masks are written ``~(x < t)`` so that they keep a NaN.
+    """
+    x = softcapped(x, SOFTCAP)
+    keep = tl.full(x.shape, 1, tl.int1)
+    inside = (offs >= -start) & (offs < vocab - start)  # start < 0 before an unaligned slice
+    if HAS_THRESHOLD:
+        keep = ~(x < threshold)
+    if SOFTCAP > 0:
+        # the padding outside the row is -inf, which the softcap turns into -c
+        keep = keep & inside
+    if HAS_ALLOWED:
+        allowed = tl.load(allowed_row + start + offs, mask=inside, other=0) != 0
+        if CLEAN:
+            keep = keep & allowed
+        else:
+            keep = keep & (allowed | (x != x))  # the NaN flag counts disallowed NaN too
+    if CLEAN:
+        z = tl.where(keep & (x == x), scaled(x, inv_t), NEG_INF)
+    else:
+        z = x * inv_t
+        if HAS_THRESHOLD or HAS_ALLOWED or SOFTCAP > 0:
+            z = tl.where(keep, z, NEG_INF)
+    return z
+
+
+@triton.jit
+def _accumulate(z, offs, start, big_m, holds, arg, rest, a_rest, r_acc, a_acc):
+    """Add one vocabulary block's ``z`` to a sampling block's running sums.
+
+    The sums are relative to ``big_m``: the row's running maximum when the sampling block
+    began, raised when the block holds a larger ``z``; ``holds`` (0. or 1.) says whether the
+    block holds that maximum's entry ``arg``, whose 1 is then kept out of ``R``.
+    """
+    bm = tl.max(z, 0)
+    if bm > big_m:
+        # A new maximum (rare after the first blocks of a row): rescale, move the arg-max.
+        had_max = big_m > NEG_INF
+        # clamped: 2^-160 is already 0, and -inf * 0 would poison the sums with NaN
+        d = tl.where(had_max, tl.maximum((big_m - bm) * LOG2E, U_FLOOR), 0.0)
+        alpha = tl.exp2(d)
+        # A' = alpha (A + d Z) with Z = r_acc + rest + holds (the old arg-max entry's 1)
+        a_acc = (a_acc + d * r_acc) * alpha
+        a_rest = tl.where(had_max, (a_rest + d * (rest + holds)) * alpha, 0.0)
+        r_acc = r_acc * alpha
+        rest = tl.where(had_max, (rest + holds) * alpha, 0.0)
+        at = tl.min(tl.where(z == bm, offs, NO_INDEX), 0)
+        arg = start + at
+        big_m = bm
+        holds = tl.full((), 1.0, tl.float32)
+        u = (z - big_m) * LOG2E
+        e = tl.exp2(u)
+        r_acc += tl.where(offs == at, 0.0, e)
+        a_acc += tl.maximum(u, U_FLOOR) * e
+    else:
+        if (tl.abs(big_m) < EXP_FAST_LIMIT) | (big_m == NEG_INF):
+            # One FMA per entry; exact enough for sums (not used for any comparison).
+            u = z * LOG2E - tl.where(big_m > NEG_INF, big_m * LOG2E, 0.0)
+        else:
+            # z * log2(e) would overflow near FLT_MAX.
+            u = (z - big_m) * LOG2E
+        e = tl.exp2(u)
+        r_acc += e
+        # u = -inf (masked) has e = 0: clamped, it adds 0 instead of NaN. NaN stays NaN.
+        a_acc += tl.maximum(u, U_FLOOR) * e
+    return big_m, holds, arg, rest, a_rest, r_acc, a_acc
 
 
 @triton.jit(do_not_specialize=["vocab_offset"])
@@ -85,12 +161,15 @@ def _row_stats_kernel(
     allowed_ptr, allowed_stride,                 # [R, V] bool
     column_tokens_ptr,                           # [V] int64 token id of each column
     argmax_ptr, sample_ptr, entropy_ptr, lse_ptr, has_nan_ptr,  # [N] outputs
+    sample_key_ptr,                              # [N] fp32 output (HAS_SAMPLE_KEY)
     vocab, vocab_offset,
     SOFTCAP: tl.constexpr,
     HAS_THRESHOLD: tl.constexpr,
     HAS_ALLOWED: tl.constexpr,
     HAS_COLUMN_TOKENS: tl.constexpr,
-    NOISE_FILTER: tl.constexpr,  # the hash filter (False only to measure what it saves)
+    HAS_SAMPLE_KEY: tl.constexpr,
+    NOISE_FILTER: tl.constexpr,  # the hash filter of stage b (False only to measure it)
+    SAMPLE_BLOCK: tl.constexpr,  # positions per sampling block (a multiple of BLOCK)
     BLOCK: tl.constexpr,
     PREFETCH: tl.constexpr,      # register prefetch of the next block
     NUM_STAGES: tl.constexpr,    # Triton's own load pipelining (cp.async) when > 1
@@ -100,8 +179,9 @@ def _row_stats_kernel(
     position = tl.load(row_position_ptr + row)
     inv_t = tl.load(inv_t_ptr + request)
     sampling = tl.load(temperature_ptr + request) != 0.0
-    key = kn.row_key(tl.load(seeds_ptr + request), tl.load(draws_ptr + request), position,
-                     GUMBEL_STREAM)
+    seed = tl.load(seeds_ptr + request)
+    draw = tl.load(draws_ptr + request)
+    block_key = kn.row_key(seed, draw, position, BLOCK_STREAM)
     row_ptr = logits_ptr + row.to(tl.int64) * row_stride
     allowed_row = allowed_ptr + request * allowed_stride
 
@@ -111,99 +191,158 @@ def _row_stats_kernel(
         threshold = tl.load(threshold_ptr + row)
         todo = tl.load(done_ptr + row) == 0
     n_cols = tl.where(todo, vocab, 0)
+    # The walk starts on the sampling-block boundary at or before the slice: column
+    # `start` runs from -lead (masked) so that vocabulary blocks never straddle two
+    # sampling blocks. lead = 0 when vocab_offset is a multiple of SAMPLE_BLOCK.
+    lead = (vocab_offset % SAMPLE_BLOCK).to(tl.int32)
+    first_block = vocab_offset // SAMPLE_BLOCK
 
     offs = tl.arange(0, BLOCK)
-    offs_c1 = offs.to(tl.uint32) * kn.C1       # loop-invariant part of token * C1
-    m = tl.full((), NEG_INF, tl.float32)       # running max of z
-    arg = tl.full((), 0, tl.int32)             # lowest index of m
-    rest = tl.full((), 0.0, tl.float32)        # former arg-max entries, rescaled (part of R)
-    a_rest = tl.full((), 0.0, tl.float32)      # their part of A2
-    r_acc = tl.zeros([BLOCK], tl.float32)      # R: sum of 2^u except the arg-max entry
-    a_acc = tl.zeros([BLOCK], tl.float32)      # A2: sum of u 2^u
-    nan_acc = tl.zeros([BLOCK], tl.float32)    # becomes NaN where a NaN logit passed
-    best = tl.full((), NEG_INF, tl.float32)    # best key z + G so far
-    best_idx = tl.full((), 0, tl.int32)
+    # The row so far: max m, its lowest index, R without that entry's 1, A2.
+    m = tl.full((), NEG_INF, tl.float32)
+    arg = tl.full((), 0, tl.int32)
+    r_row = tl.full((), 0.0, tl.float32)
+    a_row = tl.full((), 0.0, tl.float32)
+    has_nan = tl.full((), 0, tl.int32)
+    best = tl.full((), NEG_INF, tl.float32)    # best sampling-block key so far
+    best_start = tl.full((), 0, tl.int32)      # its first column
+    # The current sampling block: sums relative to big_m (see _accumulate), per lane.
+    big_m = tl.full((), NEG_INF, tl.float32)
+    holds = tl.full((), 0.0, tl.float32)
+    arg_b = tl.full((), 0, tl.int32)
+    rest = tl.full((), 0.0, tl.float32)
+    a_rest = tl.full((), 0.0, tl.float32)
+    r_acc = tl.zeros([BLOCK], tl.float32)
+    a_acc = tl.zeros([BLOCK], tl.float32)
 
+    n_walk = tl.where(todo, lead + vocab, 0)  # positions walked, from the boundary
     if PREFETCH:
         # Register prefetch: the load of the next block is in flight while this one computes.
-        x_next = tl.load(row_ptr + offs, mask=offs < n_cols, other=NEG_INF)
-    for start in tl.range(0, n_cols, BLOCK, num_stages=NUM_STAGES):
+        x_next = tl.load(row_ptr + (offs - lead), mask=(offs >= lead) & (offs < n_walk),
+                         other=NEG_INF)
+    for walk in tl.range(0, n_walk, BLOCK, num_stages=NUM_STAGES):
+        start = walk - lead  # column of the block's first entry
         if PREFETCH:
             x_raw = x_next
-            x_next = tl.load(row_ptr + (start + BLOCK) + offs, mask=offs < n_cols - (start + BLOCK),
+            nxt = walk + BLOCK + offs
+            x_next = tl.load(row_ptr + (start + BLOCK) + offs, mask=(nxt >= lead) & (nxt < n_walk),
                              other=NEG_INF)
         else:
-            x_raw = tl.load(row_ptr + start + offs, mask=offs < n_cols - start, other=NEG_INF)
-        x = x_raw.to(tl.float32)
-        nan_acc = tl.maximum(nan_acc, x, propagate_nan=tl.PropagateNan.ALL)
-        x = softcapped(x, SOFTCAP)
-        keep = x >= threshold  # False for NaN
-        if SOFTCAP > 0:
-            # the padding past the row end is -inf, which the softcap turns into -c
-            keep = keep & (offs < vocab - start)
-        if HAS_ALLOWED:
-            keep = keep & (tl.load(allowed_row + start + offs, mask=offs < vocab - start, other=0) != 0)
-        z = tl.where(keep, scaled(x, inv_t), NEG_INF)
-        bm = tl.max(z, 0)
+            x_raw = tl.load(row_ptr + start + offs,
+                            mask=(walk + offs >= lead) & (walk + offs < n_walk), other=NEG_INF)
+        z = _block_z(x_raw.to(tl.float32), offs, start, vocab, inv_t, threshold, allowed_row,
+                     SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, False)
+        big_m, holds, arg_b, rest, a_rest, r_acc, a_acc = _accumulate(
+            z, offs, start, big_m, holds, arg_b, rest, a_rest, r_acc, a_acc)
 
-        if bm > m:
-            # A new row maximum (rare after the first blocks): rescale, move the arg-max.
-            had_max = m > NEG_INF
-            # clamped: 2^-160 is already 0, and -inf * 0 would poison the sums with NaN
-            d = tl.where(had_max, tl.maximum((m - bm) * LOG2E, U_FLOOR), 0.0)
-            alpha = tl.exp2(d)
-            # A' = alpha (A + d Z) with Z = r_acc + rest + 1 (the old arg-max entry's 1)
-            a_acc = (a_acc + d * r_acc) * alpha
-            a_rest = tl.where(had_max, (a_rest + d * (rest + 1.0)) * alpha, 0.0)
-            r_acc = r_acc * alpha
-            rest = tl.where(had_max, (rest + 1.0) * alpha, 0.0)
-            at = tl.min(tl.where(z == bm, offs, NO_INDEX), 0)
-            arg = start + at
-            m = bm
-            u = tl.maximum((z - m) * LOG2E, U_FLOOR)
-            e = tl.exp2(u)
-            r_acc += tl.where(offs == at, 0.0, e)
-            a_acc += u * e
-        else:
-            if (tl.abs(m) < EXP_FAST_LIMIT) | (m == NEG_INF):
-                # One FMA per entry; exact enough for sums (not used for any comparison).
-                u = tl.maximum(z * LOG2E - tl.where(m > NEG_INF, m * LOG2E, 0.0), U_FLOOR)
+        end = walk + BLOCK
+        if ((end % SAMPLE_BLOCK) == 0) | (end >= n_walk):
+            # The sampling block [b0, b0 + SAMPLE_BLOCK) (columns) is complete.
+            b_walk = walk - walk % SAMPLE_BLOCK  # BLOCK divides SAMPLE_BLOCK
+            b0 = b_walk - lead
+            r_b = tl.sum(r_acc, 0) + rest
+            a_b = tl.sum(a_acc, 0) + a_rest
+            if (r_b != r_b) | (a_b != a_b):
+                # NaN or +inf somewhere in the block: read it again on the clean path.
+                big_m = m
+                holds = tl.full((), 0.0, tl.float32)
+                arg_b = tl.full((), 0, tl.int32)
+                rest = tl.full((), 0.0, tl.float32)
+                a_rest = tl.full((), 0.0, tl.float32)
+                r_acc = tl.zeros([BLOCK], tl.float32)
+                a_acc = tl.zeros([BLOCK], tl.float32)
+                nan_acc = tl.zeros([BLOCK], tl.float32)
+                for s2 in range(b0, end - lead, BLOCK):
+                    x2 = tl.load(row_ptr + s2 + offs, mask=(offs >= -s2) & (offs < n_cols - s2),
+                                 other=NEG_INF)
+                    x2 = x2.to(tl.float32)
+                    nan_acc = tl.maximum(nan_acc, x2, propagate_nan=tl.PropagateNan.ALL)
+                    z2 = _block_z(x2, offs, s2, vocab, inv_t, threshold, allowed_row,
+                                  SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, True)
+                    big_m, holds, arg_b, rest, a_rest, r_acc, a_acc = _accumulate(
+                        z2, offs, s2, big_m, holds, arg_b, rest, a_rest, r_acc, a_acc)
+                has_nan = has_nan | tl.max((nan_acc != nan_acc).to(tl.int32), 0)
+                r_b = tl.sum(r_acc, 0) + rest
+                a_b = tl.sum(a_acc, 0) + a_rest
+            # Merge into the row. A block that raised the maximum (strictly: an equal later
+            # maximum keeps the lower id) holds the new arg-max; else its sums are already
+            # relative to the row's maximum.
+            if holds > 0:
+                had_max = m > NEG_INF
+                d = tl.where(had_max, tl.maximum((m - big_m) * LOG2E, U_FLOOR), 0.0)
+                alpha = tl.exp2(d)
+                a_row = tl.where(had_max, (a_row + d * (r_row + 1.0)) * alpha, 0.0) + a_b
+                r_row = tl.where(had_max, (r_row + 1.0) * alpha, 0.0) + r_b
+                m = big_m
+                arg = arg_b
             else:
-                # z * log2(e) would overflow near FLT_MAX (+inf logits).
-                u = tl.maximum((z - m) * LOG2E, U_FLOOR)
-            e = tl.exp2(u)
-            r_acc += e
-            a_acc += u * e
+                a_row += a_b
+                r_row += r_b
+            if sampling:
+                # Stage a: the block's key lse_b + G_b (lse_b = -inf when nothing is kept).
+                # G_b <= -log w (w the hash's uniform), so the logs are needed only if
+                # w <= exp(lse_b - best).
+                lse_b = tl.where(holds > 0, big_m + log1p(r_b), big_m + tl.log(r_b))
+                if (r_b + holds > 0) & (big_m > NEG_INF):
+                    if lse_b + GUMBEL_MAX >= best:
+                        index = first_block + b_walk // SAMPLE_BLOCK
+                        bits = kn.token_bits(block_key, index)
+                        gap = (lse_b - best) + (1e-3 + 1e-6 * (tl.abs(lse_b) + tl.abs(best)))
+                        w = (bits.to(tl.float32) + 0.5) * (1.0 / TWO_POW_32)
+                        if (gap > FILTER_MAX_GAP) | (w <= tl.exp2(gap * LOG2E)):
+                            key = lse_b + kn.gumbel(bits)
+                            if key > best:
+                                best = key
+                                best_start = b0
+            big_m = m
+            holds = tl.full((), 0.0, tl.float32)
+            arg_b = tl.full((), 0, tl.int32)
+            rest = tl.full((), 0.0, tl.float32)
+            a_rest = tl.full((), 0.0, tl.float32)
+            r_acc = tl.zeros([BLOCK], tl.float32)
+            a_acc = tl.zeros([BLOCK], tl.float32)
 
-        if sampling:
-            if bm + GUMBEL_MAX >= best:
+    entropy, lse = finish_stats(m, r_row, a_row)
+    chosen = arg
+    if sampling & (best > NEG_INF):
+        # Stage b: Gumbel-max over the tokens of the winning sampling block.
+        token_key = kn.row_key(seed, draw, position, GUMBEL_STREAM)
+        tb = tl.full((), NEG_INF, tl.float32)
+        tb_idx = best_start
+        t_max = tl.full((), NEG_INF, tl.float32)
+        b_end = tl.minimum(best_start + SAMPLE_BLOCK, n_cols)
+        for s3 in range(best_start, b_end, BLOCK):
+            in_block = (offs >= -s3) & (offs < b_end - s3)
+            x3 = tl.load(row_ptr + s3 + offs, mask=in_block, other=NEG_INF).to(tl.float32)
+            z3 = _block_z(x3, offs, s3, vocab, inv_t, threshold, allowed_row,
+                          SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, True)
+            z3 = tl.where(in_block, z3, NEG_INF)
+            bm3 = tl.max(z3, 0)
+            t_max = tl.maximum(t_max, bm3)
+            if bm3 + GUMBEL_MAX >= tb:
                 if HAS_COLUMN_TOKENS:
-                    token = tl.load(column_tokens_ptr + start + offs, mask=offs < vocab - start,
-                                    other=0)
-                    bits = kn.token_bits(key, token)
+                    token = tl.load(column_tokens_ptr + s3 + offs, mask=in_block, other=0)
                 else:
-                    # token * C1 = offs * C1 + (start + vocab_offset) * C1 (mod 2^32)
-                    first = (start + vocab_offset).to(tl.uint32) * kn.C1
-                    bits = kn.token_bits_of_product(key, offs_c1 + first)
+                    token = s3 + offs + vocab_offset
+                bits = kn.token_bits(token_key, token)
                 hit = tl.full((), 1, tl.int32)
                 if NOISE_FILTER:
-                    # Can w <= e * exp(m - best + slack) hold anywhere? The slack covers the
-                    # rounding of z - m, exp2, the product and the two logs of the exact noise.
-                    gap = (m - best) + (1e-3 + 1e-6 * (tl.abs(m) + tl.abs(best)))
+                    # Can w <= exp(z - tb + slack) hold anywhere? The slack covers the
+                    # rounding of exp2, the product and the two logs of the exact noise.
+                    gap = (t_max - tb) + (1e-3 + 1e-6 * (tl.abs(t_max) + tl.abs(tb)))
                     if gap <= FILTER_MAX_GAP:
+                        e3 = tl.exp2(tl.maximum((z3 - t_max) * LOG2E, U_FLOOR))
                         scale = tl.exp2(gap * LOG2E) * TWO_POW_32
-                        hit = (tl.max(e * scale - bits.to(tl.float32), 0) >= 0).to(tl.int32)
+                        hit = (tl.max(e3 * scale - bits.to(tl.float32), 0) >= 0).to(tl.int32)
                 if hit != 0:
                     # Masked entries have z = -inf, so their keys are -inf too.
-                    noisy = z + kn.gumbel(bits)
+                    noisy = z3 + kn.gumbel(bits)
                     block_best = tl.max(noisy, 0)
-                    if block_best > best:
-                        best_idx = start + tl.min(tl.where(noisy == block_best, offs, NO_INDEX), 0)
-                        best = block_best
+                    if block_best > tb:
+                        tb_idx = s3 + tl.min(tl.where(noisy == block_best, offs, NO_INDEX), 0)
+                        tb = block_best
+        chosen = tb_idx
 
-    entropy, lse = finish_stats(m, tl.sum(r_acc, 0) + rest, tl.sum(a_acc, 0) + a_rest)
-    has_nan = tl.max((nan_acc != nan_acc).to(tl.int32), 0) != 0
-    chosen = tl.where(sampling, best_idx, arg)
     if HAS_COLUMN_TOKENS:
         first_token = tl.load(column_tokens_ptr)
         argmax_token = tl.load(column_tokens_ptr + arg)
@@ -217,7 +356,9 @@ def _row_stats_kernel(
     tl.store(sample_ptr + row, tl.where(kept, sample_token, first_token), mask=todo)
     tl.store(entropy_ptr + row, entropy, mask=todo)
     tl.store(lse_ptr + row, lse, mask=todo)
-    tl.store(has_nan_ptr + row, has_nan, mask=todo)
+    tl.store(has_nan_ptr + row, has_nan != 0, mask=todo)
+    if HAS_SAMPLE_KEY:
+        tl.store(sample_key_ptr + row, tl.where(sampling & kept, best, NEG_INF), mask=todo)
 
 
 def _check_rows(logits, row_request, row_position, temperature, seeds, draws, top_k, top_p,
@@ -264,11 +405,13 @@ def default_config(logits: torch.Tensor) -> dict:
     A ``"threshold"`` entry (a dict of ``topk_topp.threshold_rows`` keywords) tunes the top-k /
     top-p search; the CPU tests use it to shrink the candidate buffer.
     """
-    # Measured on an H200 (bench/results/row_stats-h200-v1.log): small programs win. Two warps
-    # per row keep the per-block reductions to one barrier between two warps; 512-entry
-    # blocks keep ~110 registers, so about 18 warps fit per SM; the register prefetch keeps
-    # the next block's load in flight.
-    return dict(block=512, num_warps=2, prefetch=True, num_stages=1, maxnreg=None)
+    # Measured on an H200 at 32 requests (bench/results/row_stats-h200-v4.log): small
+    # programs win, for bf16 as for fp32 (the pass costs the same per entry in both): one
+    # warp per row, 256-entry blocks, the register prefetch keeping the next block's load in
+    # flight. The choice must not depend on the number of rows: the block size sets the
+    # summation order of lse and entropy, and a request's bits may not depend on how the
+    # dispatcher tiled the batch (bench/results/gpu-tests-h200-v3.log caught exactly that).
+    return dict(block=256, num_warps=1, prefetch=True, num_stages=1, maxnreg=None)
 
 
 def row_stats_rows(
@@ -286,6 +429,8 @@ def row_stats_rows(
     vocab_offset: int = 0,
     column_tokens: torch.Tensor | None = None,
     chunk_rows: int | None = None,
+    sample_block: int = reference.SAMPLE_BLOCK,
+    sample_key: torch.Tensor | None = None,
     config: dict | None = None,
     noise_filter: bool = True,
 ) -> RowStats:
@@ -297,6 +442,11 @@ def row_stats_rows(
     """
     _check_rows(logits, row_request, row_position, temperature, seeds, draws, top_k, top_p,
                 allowed, vocab_offset, column_tokens)
+    reference.check_sample_block(sample_block)
+    if sample_key is not None:
+        assert sample_key.shape == (logits.shape[0],) and sample_key.dtype == torch.float32 \
+            and sample_key.device == logits.device and sample_key.is_contiguous(), \
+            "sample_key must be a contiguous [N] float32 tensor on the logits' device"
     n_rows, vocab = logits.shape
     out = _empty_stats(n_rows, logits.device)
     if n_rows == 0:
@@ -320,10 +470,11 @@ def row_stats_rows(
             logits, row_request, row_position, temp32, inv_t, seeds, draws, out,
             softcap=softcap_c, top_k=top_k, top_p=top_p, allowed=allowed,
             vocab_offset=vocab_offset, column_tokens=column_tokens,
+            sample_block=sample_block, sample_key=sample_key,
             **(config or {}).get("threshold", {}),
         )
     cfg = {**default_config(logits), **{k: v for k, v in (config or {}).items() if k != "threshold"}}
-    block = min(cfg["block"], max(16, triton.next_power_of_2(vocab)))
+    block = min(cfg["block"], sample_block, max(16, triton.next_power_of_2(vocab)))
     _row_stats_kernel[(n_rows,)](
         logits, logits.stride(0),
         row_request, row_position,
@@ -332,12 +483,15 @@ def row_stats_rows(
         allowed if allowed is not None else logits, allowed.stride(0) if allowed is not None else 0,
         column_tokens if column_tokens is not None else seeds,
         out.argmax, out.sample, out.entropy, out.lse, out.has_nan,
+        sample_key if sample_key is not None else out.lse,
         vocab, vocab_offset,
         SOFTCAP=softcap_c,
         HAS_THRESHOLD=done is not None,
         HAS_ALLOWED=allowed is not None,
         HAS_COLUMN_TOKENS=column_tokens is not None,
+        HAS_SAMPLE_KEY=sample_key is not None,
         NOISE_FILTER=noise_filter,
+        SAMPLE_BLOCK=sample_block,
         BLOCK=block,
         PREFETCH=cfg["prefetch"],
         NUM_STAGES=cfg["num_stages"],

@@ -32,8 +32,8 @@ target > F(>= hi)`` (``t`` lies in it) and the count and mass above ``hi``:
    mass (the scan does not spend per-entry work on them).
 
 When the final candidates cover every kept entry (the usual case), the search also finishes
-the row's statistics from them (max, R, A, arg-max, Gumbel-max sample: the same formulas as
-``row_stats``, on at most ``CAP`` entries) and marks the row done; ``row_stats`` then skips it.
+the row's statistics from them (max, R, A, arg-max, the two-stage keyed sample: the same
+formulas as ``row_stats``, on at most ``CAP`` entries) and marks the row done; ``row_stats`` then skips it.
 So a row with top-k costs about one read of its logits, no more than a row without.
 
 Exactness: counts are exact. Masses are fp32 exponentials summed in fp64 against the
@@ -65,6 +65,7 @@ from .logit_row import (
 
 POS_INF = tl.constexpr(float("inf"))
 GUMBEL_STREAM = tl.constexpr(1)  # keyed_noise.Stream.GUMBEL
+BLOCK_STREAM = tl.constexpr(4)   # keyed_noise.Stream.BLOCK
 INT64_MIN = tl.constexpr(-(2**63))
 # Value-spaced pivots while the bracket is wider than this fraction of its magnitude,
 # then pivots spaced in the fp32 bit order (which always separate distinct floats).
@@ -334,10 +335,11 @@ def _search_kernel(
     max_table_ptr, mass_table_ptr, table_stride,   # from the scan kernel
     cand_ptr, subs_ptr,                       # scratch per program: [CAP] int64, [NSUB_PAD] int32
     threshold_ptr, done_ptr,                  # [N] fp32, [N] int8
-    argmax_ptr, sample_ptr, entropy_ptr, lse_ptr,
+    argmax_ptr, sample_ptr, entropy_ptr, lse_ptr, sample_key_ptr,
     n_rows, vocab, vocab_offset,
     SOFTCAP: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr,
     HAS_ALLOWED: tl.constexpr, HAS_COLUMN_TOKENS: tl.constexpr,
+    HAS_SAMPLE_KEY: tl.constexpr, SAMPLE_BLOCK: tl.constexpr,
     SUB: tl.constexpr, TILE: tl.constexpr, GROUP: tl.constexpr, NSUB_PAD: tl.constexpr,
     CAP: tl.constexpr, PIVOTS: tl.constexpr, MAX_ROUNDS: tl.constexpr,
 ):
@@ -485,8 +487,9 @@ def _search_kernel(
                 done = tl.full((), 1, tl.int32)
                 _candidate_stats(values, ids, present, thr, row, request, row_position_ptr,
                                  temperature_ptr, inv_t_ptr, seeds_ptr, draws_ptr, column_tokens_ptr,
-                                 argmax_ptr, sample_ptr, entropy_ptr, lse_ptr,
-                                 vocab_offset, HAS_COLUMN_TOKENS, CAP)
+                                 argmax_ptr, sample_ptr, entropy_ptr, lse_ptr, sample_key_ptr,
+                                 vocab, vocab_offset, HAS_COLUMN_TOKENS, HAS_SAMPLE_KEY,
+                                 SAMPLE_BLOCK, CAP)
         tl.store(threshold_ptr + row, thr)
         tl.store(done_ptr + row, done.to(tl.int8))
 
@@ -494,9 +497,18 @@ def _search_kernel(
 @triton.jit
 def _candidate_stats(values, ids, present, thr, row, request, row_position_ptr,
                      temperature_ptr, inv_t_ptr, seeds_ptr, draws_ptr, column_tokens_ptr,
-                     argmax_ptr, sample_ptr, entropy_ptr, lse_ptr,
-                     vocab_offset, HAS_COLUMN_TOKENS: tl.constexpr, CAP: tl.constexpr):
-    """Row statistics of a row whose kept entries are all among the sorted candidates."""
+                     argmax_ptr, sample_ptr, entropy_ptr, lse_ptr, sample_key_ptr,
+                     vocab, vocab_offset, HAS_COLUMN_TOKENS: tl.constexpr,
+                     HAS_SAMPLE_KEY: tl.constexpr, SAMPLE_BLOCK: tl.constexpr, CAP: tl.constexpr,
+                     BC: tl.constexpr = 8):
+    """Row statistics of a row whose kept entries are all among the sorted candidates.
+
+    The sample follows the reference's two stages. Stage a needs the mass of every sampling
+    block among the candidates: ``BC`` blocks at a time, a [BC, CAP] compare-and-sum (no
+    loop over candidates, a fixed summation order, so the result is deterministic); the
+    masses are relative to the row maximum (a block that underflows there is ~87 nats down
+    and can never win). Stage b is the Gumbel-max over the winning block's candidates.
+    """
     kept = present & (values >= thr)
     z = tl.where(kept, scaled(values, tl.load(inv_t_ptr + request)), NEG_INF)
     m = tl.max(z, 0)
@@ -506,16 +518,36 @@ def _candidate_stats(values, ids, present, thr, row, request, row_position_ptr,
     rest = tl.sum(tl.where(ids == arg, 0.0, e), 0)
     entropy, lse = finish_stats(m, rest, tl.sum(u * e, 0))
     chosen = arg
-    if tl.load(temperature_ptr + request) != 0.0:
-        key = kn.row_key(tl.load(seeds_ptr + request), tl.load(draws_ptr + request),
-                         tl.load(row_position_ptr + row), GUMBEL_STREAM)
+    best = tl.full((), NEG_INF, tl.float32)
+    sampling = tl.load(temperature_ptr + request) != 0.0
+    if sampling & (m > NEG_INF):
+        seed = tl.load(seeds_ptr + request)
+        draw = tl.load(draws_ptr + request)
+        position = tl.load(row_position_ptr + row)
+        lead = (vocab_offset % SAMPLE_BLOCK).to(tl.int32)
+        first_block = vocab_offset // SAMPLE_BLOCK
+        block = (ids + lead) // SAMPLE_BLOCK  # sampling block, counted from the slice's first
+        e_kept = tl.where(kept, e, 0.0)
+        n_blocks = (lead + vocab + SAMPLE_BLOCK - 1) // SAMPLE_BLOCK
+        block_key = kn.row_key(seed, draw, position, BLOCK_STREAM)
+        best_block = tl.full((), 0, tl.int32)
+        for c in range(0, n_blocks, BC):
+            bids = c + tl.arange(0, BC)
+            mass = tl.sum(tl.where(block[None, :] == bids[:, None], e_kept[None, :], 0.0), 1)
+            keys = m + tl.log(mass) + kn.gumbel(kn.token_bits(block_key, bids + first_block))
+            keys = tl.where((mass > 0) & (bids < n_blocks), keys, NEG_INF)
+            top_key = tl.max(keys, 0)
+            if top_key > best:  # chunks come in increasing order: ties keep the lowest
+                best = top_key
+                best_block = tl.min(tl.where(keys == top_key, bids, NO_INDEX), 0)
+        key = kn.row_key(seed, draw, position, GUMBEL_STREAM)
         if HAS_COLUMN_TOKENS:
             token = tl.load(column_tokens_ptr + ids, mask=kept, other=0)
         else:
             token = ids + vocab_offset
-        noisy = z + kn.gumbel(kn.token_bits(key, token))
-        best = tl.max(noisy, 0)
-        chosen = tl.min(tl.where(noisy == best, ids, NO_INDEX), 0)
+        noisy = tl.where(block == best_block, z + kn.gumbel(kn.token_bits(key, token)), NEG_INF)
+        top = tl.max(noisy, 0)
+        chosen = tl.min(tl.where(noisy == top, ids, NO_INDEX), 0)
     if HAS_COLUMN_TOKENS:
         argmax_token = tl.load(column_tokens_ptr + arg)
         sample_token = tl.load(column_tokens_ptr + chosen)
@@ -526,6 +558,8 @@ def _candidate_stats(values, ids, present, thr, row, request, row_position_ptr,
     tl.store(sample_ptr + row, sample_token)
     tl.store(entropy_ptr + row, entropy)
     tl.store(lse_ptr + row, lse)
+    if HAS_SAMPLE_KEY:
+        tl.store(sample_key_ptr + row, best)
 
 
 @functools.lru_cache(maxsize=None)
@@ -542,6 +576,7 @@ def _programs(n_rows: int, device: torch.device) -> int:
 
 def threshold_rows(logits, row_request, row_position, temperature, inv_t, seeds, draws, out, *,
                    softcap: float, top_k, top_p, allowed, vocab_offset: int, column_tokens,
+                   sample_block: int, sample_key=None,
                    sub: int = 256, scan_tile: int = 2048, scan_warps: int = 4, scan_stages: int = 4,
                    tile: int = 2048, group: int = 8, cap: int = 1024, pivots: int = 16,
                    num_warps: int = 8):
@@ -589,8 +624,10 @@ def threshold_rows(logits, row_request, row_position, temperature, inv_t, seeds,
         cand, subs,
         out.threshold, done,
         out.argmax, out.sample, out.entropy, out.lse,
+        sample_key if sample_key is not None else out.lse,
         n_rows, vocab, vocab_offset,
         HAS_COLUMN_TOKENS=column_tokens is not None,
+        HAS_SAMPLE_KEY=sample_key is not None, SAMPLE_BLOCK=sample_block,
         SUB=sub, TILE=tile, GROUP=group, NSUB_PAD=nsub_pad, CAP=cap, PIVOTS=pivots,
         MAX_ROUNDS=40, num_warps=num_warps, **flags,
     )

@@ -118,16 +118,41 @@ def _assert_thresholds(got, want, logits, row_request, softcap, allowed, top_k, 
         assert abs(frac - float(top_p[req[r]])) <= 1e-5, f"threshold row {r}: {got[r]} vs {want[r]}"
 
 
+def _assert_same_draw_or_near_tie(got, want, keys, block_keys, block_of_column, tokens):
+    """Samples equal, or a near-tie of the stage that split them: the two sampling blocks'
+    keys (different blocks) or the two tokens' keys (same block) within 1e-5."""
+    differ = (got != want).nonzero().flatten()
+    col = _columns_of(tokens)
+    for r in differ.tolist():
+        cg, cw = int(col(got[r:r + 1])), int(col(want[r:r + 1]))
+        bg, bw = int(block_of_column[cg]), int(block_of_column[cw])
+        sg, sw = ((block_keys[r, bg], block_keys[r, bw]) if bg != bw
+                  else (keys[r, cg], keys[r, cw]))
+        sg, sw = float(sg), float(sw)
+        assert math.isfinite(sg) and math.isfinite(sw), f"sample row {r}: {sg} vs {sw}"
+        assert abs(sg - sw) / max(1.0, abs(sw)) <= 1e-5, f"sample row {r}: {sg} vs {sw}"
+    return differ.numel()
+
+
 def check(logits, row_request, row_position, temperature, seeds, draws, *, softcap=None,
           top_k=None, top_p=None, allowed=None, vocab_offset=0, column_tokens=None,
-          config=CPU_CONFIG, near_ties_allowed=0):
-    """Run both backends on the same rows and compare everything; return the kernel result."""
+          config=CPU_CONFIG, near_ties_allowed=0, sample_block=None):
+    """Run both backends on the same rows and compare everything; return the kernel result.
+
+    ``sample_block`` defaults to 512 on the CPU (rows of a few thousand entries then span
+    several sampling blocks) and to the production size on a GPU.
+    """
+    if sample_block is None:
+        sample_block = 512 if logits.device.type == "cpu" else reference.SAMPLE_BLOCK
     kw = dict(softcap=softcap, top_k=top_k, top_p=top_p, allowed=allowed,
-              vocab_offset=vocab_offset, column_tokens=column_tokens)
+              vocab_offset=vocab_offset, column_tokens=column_tokens, sample_block=sample_block)
+    n = logits.shape[0]
+    got_key = torch.full((n,), float("nan"), device=logits.device)
+    want_key = torch.full((n,), float("nan"), device=logits.device)
     got = rs.row_stats_rows(logits, row_request, row_position, temperature, seeds, draws,
-                            config=config, **kw)
+                            config=config, sample_key=got_key, **kw)
     want = reference.row_stats_rows(logits, row_request, row_position, temperature, seeds,
-                                    draws, **kw)
+                                    draws, sample_key=want_key, **kw)
     _assert_thresholds(got.threshold, want.threshold, logits, row_request, softcap, allowed,
                        top_k, top_p)
     assert torch.equal(got.has_nan, want.has_nan)
@@ -139,9 +164,24 @@ def check(logits, row_request, row_position, temperature, seeds, draws, *, softc
     ties = _assert_same_or_near_tie(got.argmax, want.argmax, z, tokens, "argmax")
     keys = _keys(z, row_request, row_position, seeds, draws, tokens)
     greedy = (temperature.float() == 0)[row_request.long()]
-    keys = torch.where(greedy.unsqueeze(1), z, keys)
-    ties += _assert_same_or_near_tie(got.sample, want.sample, keys, tokens, "sample")
+    sampled = ~greedy
+    assert torch.equal(got.sample[greedy], got.argmax[greedy])
+    block_keys, block_of_column = reference.sampling_block_keys(
+        z, seeds[row_request.long()], draws[row_request.long()], row_position.long(),
+        vocab_offset, sample_block)
+    ties += _assert_same_draw_or_near_tie(got.sample[sampled], want.sample[sampled],
+                                          keys[sampled], block_keys[sampled], block_of_column,
+                                          tokens)
     assert ties <= near_ties_allowed
+    # The winning block's key (what a tensor-parallel merge compares): -inf for greedy and
+    # all-masked rows, else the oracle's within rounding.
+    assert not torch.isnan(got_key).any()
+    same_inf = torch.isinf(got_key) == torch.isinf(want_key)
+    assert bool(same_inf.all()), (got_key, want_key)
+    fin = torch.isfinite(want_key)
+    if fin.any():
+        key_err = (got_key[fin] - want_key[fin]).abs() / want_key[fin].abs().clamp(min=1.0)
+        assert float(key_err.max()) <= 1e-5
     lse64, ent64 = _oracle64(z)
     kept = torch.isfinite(lse64)
     assert torch.equal(torch.isfinite(got.lse), kept)

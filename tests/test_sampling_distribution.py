@@ -7,7 +7,7 @@ import torch
 from scipy import stats as sps
 
 import dgemma_sampler as ds
-from dgemma_sampler import keyed_noise
+from dgemma_sampler import keyed_noise, reference
 
 
 def draws_from_one_row(logits_row, temperature, n_draws, seed=123, backend="torch"):
@@ -65,3 +65,22 @@ def test_uniform_bits_are_uniform():
     bits = keyed_noise.token_bits(key, torch.arange(200000))
     counts = torch.bincount(bits >> 24, minlength=256).double()
     assert sps.chisquare(counts.numpy()).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("temperature", [0.4, 1.7])
+def test_goodness_of_fit_across_sampling_blocks(temperature):
+    # 203 tokens in sampling blocks of 16 (the last one partial): stage a draws a block by its
+    # key lse_b + G_b, stage b a token inside it; together they must draw softmax(z).
+    gen = torch.Generator().manual_seed(7 + int(temperature * 10))
+    logits = torch.randn(203, generator=gen) * 2
+    logits[40:56] -= 6.0  # one block far below the others
+    n = 20000
+    rows = logits.unsqueeze(0).expand(n, -1)
+    s = reference.row_stats_rows(rows, torch.zeros(n, dtype=torch.int64), torch.arange(n),
+                                 torch.tensor([temperature]), torch.tensor([99]),
+                                 torch.tensor([3]), sample_block=16)
+    probs = torch.softmax(logits.double() / temperature, -1)
+    assert chi_square_p(s.sample, probs) > 1e-3
+    blocks = torch.bincount(s.sample // 16, minlength=13).double() / n
+    want = probs.new_zeros(13).index_add(0, torch.arange(203) // 16, probs)
+    torch.testing.assert_close(blocks, want, atol=0.015, rtol=0)

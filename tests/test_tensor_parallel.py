@@ -37,14 +37,17 @@ from dgemma_sampler import tensor_parallel as tp
 
 VOCAB = 1001
 HIDDEN = 24
+# Sampling blocks of 64 positions (production: 4096), so that the slices below cut the
+# 1001-token rows into several blocks; slices start on block boundaries, as required.
+SB = 64
 
-# Uneven slices; world 3 has a one-token slice, world 4 an empty slice and ranks that do not
+# Uneven slices; world 3 has a one-block slice, world 4 an empty slice and ranks that do not
 # hold their slices in vocabulary order (rank r holds the r-th entry).
 SLICES = {
     1: [(0, 1001)],
-    2: [(0, 437), (437, 1001)],
-    3: [(0, 1), (1, 600), (600, 1001)],
-    4: [(777, 1001), (250, 250), (0, 250), (250, 777)],
+    2: [(0, 448), (448, 1001)],
+    3: [(0, 64), (64, 640), (640, 1001)],
+    4: [(768, 1001), (256, 256), (0, 256), (256, 768)],
 }
 
 # One small case through the Triton interpreter, once the row-statistics kernel exists (the
@@ -129,7 +132,7 @@ def make_case(name: str, slices: tuple[tuple[int, int], ...]) -> dict:
 def single_gpu(name: str, world: int) -> tuple[dict, reference.RowStats, torch.Tensor]:
     case = make_case(name, tuple(SLICES[world]))
     stats = ds.row_stats(case["logits"], case["temperature"], case["seeds"], case["draws"],
-                         softcap=case["softcap"], backend=case["backend"])
+                         softcap=case["softcap"], backend=case["backend"], sample_block=SB)
     soft = ds.soft_embedding(case["logits"], case["temperature"], stats.lse, case["embed"],
                              case["normalizer"], keep=case["keep"], softcap=case["softcap"],
                              backend=case["soft_backend"])
@@ -151,6 +154,18 @@ def _key(case: dict, req: int, pos: int, tokens: torch.Tensor) -> torch.Tensor:
     return _z(case, req, pos, tokens) + keyed_noise.gumbel(keyed_noise.token_bits(key, tokens))
 
 
+def _block_key(case: dict, req: int, pos: int, tokens: torch.Tensor, sample_block: int) -> torch.Tensor:
+    """Keys lse_b + G_b of the sampling blocks holding ``tokens`` (stage a)."""
+    x = reference.softcapped(case["logits"][req, pos], case["softcap"])
+    inv_t = reference.inverse_temperature(case["temperature"][req:req + 1])
+    z = torch.clamp(x * inv_t, max=reference.FLT_MAX)
+    z = torch.where(torch.isnan(x) | (x == float("-inf")), float("-inf"), z)
+    keys, block_of = reference.sampling_block_keys(
+        z.unsqueeze(0), case["seeds"][req:req + 1], case["draws"][req:req + 1],
+        torch.tensor([pos], device=z.device), 0, sample_block)
+    return keys[0, block_of[tokens]]
+
+
 def _assert_near_tie(scores: torch.Tensor, what: str, where) -> None:
     a, b = scores.double().tolist()
     assert abs(a - b) <= 4 * torch.finfo(torch.float32).eps * max(abs(a), abs(b), 1.0), (
@@ -158,15 +173,21 @@ def _assert_near_tie(scores: torch.Tensor, what: str, where) -> None:
     )
 
 
-def assert_matches_single_gpu(case: dict, got: reference.RowStats, want: reference.RowStats) -> None:
+def assert_matches_single_gpu(case: dict, got: reference.RowStats, want: reference.RowStats,
+                              sample_block: int = SB) -> None:
     r, w = want.argmax.shape
     for field in ("argmax", "sample"):
         diff = (getattr(got, field) != getattr(want, field)).nonzero().tolist()
         assert len(diff) <= max(1, r * w // 100), f"{field}: too many mismatches {diff}"
         for req, pos in diff:
             pair = torch.stack([getattr(got, field)[req, pos], getattr(want, field)[req, pos]])
-            score = _z if field == "argmax" or case["temperature"][req] == 0 else _key
-            _assert_near_tie(score(case, req, pos, pair), field, (req, pos))
+            if field == "argmax" or case["temperature"][req] == 0:
+                scores = _z(case, req, pos, pair)
+            elif int(pair[0]) // sample_block != int(pair[1]) // sample_block:
+                scores = _block_key(case, req, pos, pair, sample_block)  # stage a split them
+            else:
+                scores = _key(case, req, pos, pair)
+            _assert_near_tie(scores, field, (req, pos))
     assert torch.equal(got.has_nan, want.has_nan)
     finite = torch.isfinite(want.lse)
     assert torch.equal(finite, torch.isfinite(got.lse)), "all-masked rows differ"
@@ -188,12 +209,13 @@ def assert_soft_close(got: torch.Tensor, want: torch.Tensor, keep: torch.Tensor)
 # ------------------------------------------------------------------ in-process merging
 
 
-def _split_merge(case: dict, slices) -> reference.RowStats:
+def _split_merge(case: dict, slices, sample_block: int = SB) -> reference.RowStats:
     x = case["logits"]
     r, w, _ = x.shape
     parts = [
         tp.local_row_partials(x[..., s:e], case["temperature"], case["seeds"], case["draws"],
-                              vocab_start=s, softcap=case["softcap"], backend=case["backend"])[0]
+                              vocab_start=s, softcap=case["softcap"], backend=case["backend"],
+                              sample_block=sample_block)[0]
         for s, e in slices
     ]
     greedy = (case["temperature"] == 0).repeat_interleave(w)
@@ -204,8 +226,8 @@ def _split_merge(case: dict, slices) -> reference.RowStats:
 @pytest.mark.parametrize("trial", range(3))
 def test_merge_of_random_slicings_equals_full_vocab(name, trial):
     g = _generator(name, 1000 + trial)
-    cuts = sorted(torch.randint(0, VOCAB + 1, (int(torch.randint(1, 7, (1,), generator=g)),),
-                                generator=g).tolist())
+    cuts = sorted(torch.randint(0, VOCAB // SB + 1, (int(torch.randint(1, 7, (1,), generator=g)),),
+                                generator=g).mul(SB).tolist())
     bounds = [0, *cuts, VOCAB]
     slices = [(bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
     slices = [slices[i] for i in torch.randperm(len(slices), generator=g).tolist()]
@@ -223,7 +245,7 @@ def test_merge_of_one_slice_is_identity():
 def test_without_process_group_is_single_gpu():
     case, want, soft = single_gpu("nan_inf", 1)
     got = tp.row_stats_sharded(case["logits"], case["temperature"], case["seeds"], case["draws"],
-                               vocab_start=0, vocab_size=VOCAB, backend="torch")
+                               vocab_start=0, vocab_size=VOCAB, backend="torch", sample_block=SB)
     for a, b in zip(got.as_tuple(), want.as_tuple()):
         assert torch.equal(a, b)
     s = tp.soft_embedding_sharded(case["logits"], case["temperature"], got.lse, case["embed"],
@@ -246,19 +268,24 @@ def test_rejects_bad_use():
         tp.row_stats_sharded(case["logits"][..., :500], *args[1:], vocab_start=0, vocab_size=VOCAB)
     with pytest.raises(ValueError, match="padding"):
         tp.row_stats_sharded(*args, vocab_start=10, vocab_size=VOCAB)
+    with pytest.raises(ValueError, match="sampling-block boundary"):
+        tp.local_row_partials(case["logits"][..., 100:], *args[1:], vocab_start=100,
+                              sample_block=SB)
     with pytest.raises(ValueError, match="local_embed_weight"):
         tp.soft_embedding_sharded(case["logits"], case["temperature"], torch.zeros(3, 6),
                                   case["embed"][:-1], 1.0)
 
 
-def test_vocab_slice_tiles_the_vocabulary():
-    for vocab in (1, 7, 1001, 262144):
+@pytest.mark.parametrize("sample_block", [16, reference.SAMPLE_BLOCK])
+def test_vocab_slice_tiles_the_vocabulary(sample_block):
+    for vocab in (1, 7, 1001, 262144, 256000):
         for world in (1, 2, 3, 8):
-            slices = [tp.vocab_slice(vocab, r, world) for r in range(world)]
+            slices = [tp.vocab_slice(vocab, r, world, sample_block) for r in range(world)]
             assert slices[0][0] == 0 and slices[-1][1] == vocab
             assert all(a[1] == b[0] for a, b in zip(slices, slices[1:]))
+            assert all(s % sample_block == 0 or s == vocab for s, _ in slices)
             sizes = [e - s for s, e in slices]
-            assert max(sizes) - min(sizes) <= 1
+            assert max(sizes) - min(sizes) < 2 * sample_block  # the last block may be partial
 
 
 @pytest.mark.gpu
@@ -285,8 +312,9 @@ def test_gpu_triton_slices_merge_to_full_vocab(dtype):
     # full-row answer), so a kernel bug is not mistaken for a merge bug or hidden by one.
     want = ds.row_stats(x, case["temperature"], case["seeds"], case["draws"], softcap=30.0,
                         backend="torch")
-    slices = [(0, 70001), (70001, 70001), (70001, 200000), (200000, vocab)]
-    assert_matches_single_gpu(case, _split_merge(case, slices), want)
+    slices = [(0, 69632), (69632, 69632), (69632, 200704), (200704, vocab)]  # whole blocks
+    sb = reference.SAMPLE_BLOCK
+    assert_matches_single_gpu(case, _split_merge(case, slices, sb), want, sb)
 
     embed = (torch.randn(vocab, hidden, generator=g, device=dev) * 0.02).to(torch.bfloat16)
     keep = (case["temperature"] != 0).unsqueeze(1).expand(r, w).contiguous()  # see make_case
@@ -327,7 +355,8 @@ def _tp_worker(rank: int, store_dir: str, cases: list[str]) -> None:
                 local = case["logits"][..., start:end]
                 stats = tp.row_stats_sharded(
                     local, case["temperature"], case["seeds"], case["draws"], vocab_start=start,
-                    vocab_size=VOCAB, group=group, softcap=case["softcap"], backend=case["backend"])
+                    vocab_size=VOCAB, group=group, softcap=case["softcap"], backend=case["backend"],
+                    sample_block=SB)
                 soft = tp.soft_embedding_sharded(
                     local, case["temperature"], stats.lse, case["embed"][start:end].contiguous(),
                     case["normalizer"], keep=case["keep"], group=group, softcap=case["softcap"],
@@ -342,7 +371,7 @@ def _tp_worker(rank: int, store_dir: str, cases: list[str]) -> None:
                 rows = tp.row_stats_rows_sharded(
                     flat, request, position, case["temperature"], case["seeds"], case["draws"],
                     vocab_start=start, vocab_end=end, group=group, softcap=case["softcap"],
-                    backend=case["backend"])
+                    backend=case["backend"], sample_block=SB)
                 results[name + "/rows"] = rows.as_tuple()
             torch.save(results, os.path.join(store_dir, f"world{world}_rank{rank}.pt"))
     finally:

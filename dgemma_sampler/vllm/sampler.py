@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from vllm.model_executor.models import diffusion_gemma as _dg
 from vllm.v1.outputs import LogprobsTensors
 
@@ -32,8 +33,9 @@ from ..config import SamplerConfig
 from ..keyed_noise import Stream, random_tokens
 from ..ops import resolve_backend
 from ..sampler import backend_functions
+from ..state import to_device_int64
 from ..step import decode_step
-from ..tensor_parallel import row_stats_rows_sharded
+from ..tensor_parallel import row_stats_rows_sharded, vocab_slice
 
 
 def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -122,8 +124,10 @@ class FusedDiffusionSampler(_dg.DiffusionSampler):
         widths_np = states.canvas_width_np[decode_slots_np].astype(np.int64)
         W = int(widths_np.max())
         starts_np = np.concatenate(([0], np.cumsum(valid_np)[:-1])).astype(np.int64)
-        slots = _to_device(decode_slots_np.astype(np.int64), device)
-        decode_idx = _to_device(decode_idx_np.astype(np.int64), device)
+        # One pinned, non-blocking copy for the step's index arrays (a pageable copy would
+        # wait for the GPU to drain).
+        slots, decode_idx, starts_t, valid_t, widths_t = to_device_int64(
+            device, decode_slots_np, decode_idx_np, starts_np, valid_np, widths_np)
 
         top_k, top_p = self._top_k_top_p(decode_slots_np, slots)
         column_tokens = states.step_allowed  # a shared allowed set: logits are [rows, K]
@@ -142,14 +146,17 @@ class FusedDiffusionSampler(_dg.DiffusionSampler):
             stats_fn = reference.row_stats_rows
         elif self.tp_size > 1 and top_k is None and top_p is None and allowed is None:
             # Every rank holds the gathered logits: each streams only its own vocabulary
-            # slice and the ranks merge per-row partials with one all_gather.
+            # slice and the ranks merge per-row partials with one all_gather. The slices are
+            # whole sampling blocks (vLLM's partition need not be), so the draw is one GPU's.
+            group = self._tp_device_group()
+            stats_start, stats_end = vocab_slice(self.vocab_size, dist.get_rank(group),
+                                                 self.tp_size)
             stats_fn = functools.partial(
-                row_stats_rows_sharded, vocab_start=self.sc_vocab_start,
-                vocab_end=self.sc_vocab_end, group=self._tp_device_group(), backend=self.backend)
+                row_stats_rows_sharded, vocab_start=stats_start, vocab_end=stats_end,
+                group=group, backend=self.backend)
 
         out = decode_step(
-            states, logits, slots, _to_device(starts_np, device), _to_device(valid_np, device),
-            _to_device(widths_np, device), W,
+            states, logits, slots, starts_t, valid_t, widths_t, W,
             confidence_threshold=self.confidence_threshold, entropy_bound=self.entropy_bound,
             temperature_of=lambda s: self.cfg.temperature(states.step[s]).to(torch.float32),
             stats_fn=stats_fn, soft_fn=self.soft_fn, embed_weight=embed, normalizer=self.normalizer,
