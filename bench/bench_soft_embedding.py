@@ -136,8 +136,21 @@ def run_size(requests: int, vocab: int, hidden: int) -> dict:
     return result
 
 
-def run_sweep(requests: int, vocab: int, hidden: int) -> list[dict]:
-    """Every sweep config at one size, no tuning: ms, fraction of cuBLAS, regs, spills, error."""
+def parse_config(text: str) -> "se.TileConfig":
+    """``128x256x64:w8:s3[:ptr][:exact]`` -> TileConfig (ptr: no TMA, exact: no one-FMA)."""
+    shape, *rest = text.split(":")
+    bm, bn, bk = (int(v) for v in shape.split("x"))
+    warps = int(next(r[1:] for r in rest if r.startswith("w")))
+    stages = int(next(r[1:] for r in rest if r.startswith("s")))
+    return se.TileConfig(bm, bn, bk, warps, stages, tma="ptr" not in rest, one_fma="exact" not in rest)
+
+
+def run_sweep(requests: int, vocab: int, hidden: int, configs=None) -> list[dict]:
+    """Every sweep config at one size, no tuning: ms, fraction of cuBLAS, regs, spills, error.
+
+    With ``configs`` (from ``--configs``) every variant (fp32, bf16 logits, keep) runs for each
+    config, and each is also checked bit for bit against a second run (``*_deterministic``).
+    """
     x = make_inputs(requests, vocab, hidden, seed=1)
     rows = requests * CANVAS
     flops = 2.0 * rows * vocab * hidden
@@ -148,12 +161,12 @@ def run_sweep(requests: int, vocab: int, hidden: int) -> list[dict]:
     variants = {"fp32": (x["logits"], None), "bf16": (x["logits_bf16"], None),
                 "keep": (x["logits"], keep_all)}
     out = []
-    for cfg in se.SWEEP_CONFIGS:
+    for cfg in (configs or se.SWEEP_CONFIGS):
         entry = dict(requests=requests, config=str(cfg), cublas_ms=cublas_ms)
         for name, (logits, keep) in variants.items():
             if se.shared_memory_bytes(cfg, logits.dtype, x["embed"].dtype, False) > se.SHARED_MEMORY_BYTES:
                 continue
-            if name != "fp32" and cfg not in se.GPU_CONFIGS:
+            if name != "fp32" and cfg not in se.GPU_CONFIGS and not configs:
                 continue  # the extra variants answer one question each, from fp32 logits: saves compiles
 
             def fn(logits=logits, keep=keep, cfg=cfg):
@@ -166,6 +179,16 @@ def run_sweep(requests: int, vocab: int, hidden: int) -> list[dict]:
                 kernel = se._last_kernel
                 torch.cuda.synchronize()
                 err = ((x["out"] - ref).norm() / ref.norm()).item()
+                if configs:
+                    first = x["out"].clone()
+                    for _ in range(3):
+                        x["out"].fill_(float("nan"))
+                        fn()
+                        if not torch.equal(first, x["out"]):
+                            entry[f"{name}_deterministic"] = False
+                            break
+                    else:
+                        entry[f"{name}_deterministic"] = True
                 ms = bench_ms(fn)
             except Exception as e:  # noqa: BLE001 - report and go on with the other variants
                 entry[f"{name}_error"] = repr(e)[:200]
@@ -178,7 +201,9 @@ def run_sweep(requests: int, vocab: int, hidden: int) -> list[dict]:
             entry[f"{name}_spills"] = getattr(kernel, "n_spills", None)
         out.append(entry)
         print(f"  sweep requests={requests} {cfg}: " + ", ".join(
-            f"{n} {entry[n + '_ms']:.3f} ms ({entry[n + '_vs_cublas']:.0%})" if n + "_ms" in entry
+            f"{n} {entry[n + '_ms']:.3f} ms ({entry[n + '_vs_cublas']:.0%}, err "
+            f"{entry[n + '_rel_err']:.1e}{', det ' + str(entry[n + '_deterministic']) if n + '_deterministic' in entry else ''})"
+            if n + "_ms" in entry
             else f"{n} {entry.get(n + '_error', 'n/a')}" for n in variants), flush=True)
     del x
     torch.cuda.empty_cache()
@@ -232,6 +257,9 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true",
                         help="also time every SWEEP_CONFIGS candidate at --sweep-requests")
     parser.add_argument("--sweep-requests", type=int, nargs="+", default=[4, 32])
+    parser.add_argument("--configs", nargs="+", default=None,
+                        help="sweep these configs instead (e.g. 128x256x64:w8:s3:ptr:exact), every "
+                             "variant, with a run-to-run determinism check")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                       "soft_embedding.json"))
     args = parser.parse_args()
@@ -250,7 +278,8 @@ def main() -> None:
     sweep = []
     if args.sweep:
         for requests in args.sweep_requests:
-            sweep += run_sweep(requests, args.vocab, args.hidden)
+            sweep += run_sweep(requests, args.vocab, args.hidden,
+                               [parse_config(c) for c in args.configs] if args.configs else None)
             print(f"[{time.perf_counter() - start:6.1f}s] sweep at requests={requests} done", flush=True)
     print()
     print_table(results)

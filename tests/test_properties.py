@@ -27,6 +27,7 @@ the end of the module.
 
 from __future__ import annotations
 
+import math
 import os
 from collections import Counter
 from dataclasses import dataclass, replace
@@ -274,6 +275,23 @@ def same_or_near_tie(got, want, score, what):
     return differ.numel()
 
 
+def same_draw_or_near_tie(got, want, keys, block_keys, sample_block):
+    """Samples equal, or a near-tie (1e-5 relative, floor 1) of the stage that split them:
+    the two sampling blocks' keys ``lse_b + G_b`` if the tokens lie in different blocks, else
+    the two tokens' keys ``z + G``."""
+    g, w_ = got.reshape(-1), want.reshape(-1)
+    flat_k = keys.reshape(-1, keys.shape[-1])
+    flat_b = block_keys.reshape(-1, block_keys.shape[-1])
+    differ = (g != w_).nonzero().flatten()
+    for i in differ.tolist():
+        bg, bw = int(g[i]) // sample_block, int(w_[i]) // sample_block
+        sg, sw = ((flat_b[i, bg], flat_b[i, bw]) if bg != bw else (flat_k[i, g[i]], flat_k[i, w_[i]]))
+        sg, sw = float(sg), float(sw)
+        assert math.isfinite(sg) and math.isfinite(sw), f"sample row {i}: a masked token or block"
+        assert abs(sg - sw) / max(1.0, abs(sw)) <= 1e-5, f"sample row {i}: keys {sg} vs {sw}"
+    return differ.numel()
+
+
 def check_thresholds(got, want, x, softcap, allowed, top_k, top_p):
     """top-k thresholds equal; top-p ones equal or the mass at the larger within 1e-5 of p."""
     differ = (got != want)
@@ -300,7 +318,7 @@ def check_thresholds(got, want, x, softcap, allowed, top_k, top_p):
 
 
 def check_row_stats(x, temperature, seeds, draws, got, want, *, softcap=None, top_k=None,
-                    top_p=None, allowed=None):
+                    top_p=None, allowed=None, sample_block=reference.SAMPLE_BLOCK):
     """Every row-statistics property of the module docstring; returns the near-tie count."""
     r, w, v = x.shape
     assert torch.equal(want.has_nan, torch.isnan(x).any(-1)), "oracle has_nan"
@@ -327,7 +345,10 @@ def check_row_stats(x, temperature, seeds, draws, got, want, *, softcap=None, to
     greedy = temperature.to(torch.float32) == 0
     assert torch.equal(got.sample[greedy], got.argmax[greedy]), "greedy sample != argmax"
     keys = gumbel_keys(z, seeds, draws, greedy)
-    ties = same_or_near_tie(got.sample, want.sample, keys, "sample")
+    block_keys, _ = reference.sampling_block_keys(
+        z.reshape(r * w, v), seeds.repeat_interleave(w), draws.repeat_interleave(w),
+        torch.arange(w, device=z.device).repeat(r), 0, sample_block)
+    ties = same_draw_or_near_tie(got.sample, want.sample, keys, block_keys, sample_block)
     # lse / entropy against float64 sums of the same fp32 z.
     lse64, ent64 = float64_lse_entropy(z)
     assert not torch.isnan(got.entropy).any() and not torch.isnan(got.lse).any()
@@ -379,14 +400,24 @@ def _draw_requests(data, r, softcap=None):
     return request_params(temps, seeds, draws)
 
 
+# Sampling blocks: the production size (one block at these vocabularies) and small ones, so
+# that rows span many blocks and both sampling stages are exercised.
+sample_block_st = st.sampled_from([reference.SAMPLE_BLOCK, 16, 64, 256])
+
+
 def _row_stats_property(spec, data, softcap, block):
     x = make_logits(spec)
     temperature, seeds, draws = _draw_requests(data, spec.r, softcap)
+    sb = data.draw(sample_block_st, "sample_block")
+    if block is not None:
+        sb = max(sb, block)  # a vocabulary block never straddles two sampling blocks
     with _Patched(_triton_row_stats(block)):
-        got = ds.row_stats(x, temperature, seeds, draws, softcap=softcap, backend="triton")
-    want = ds.row_stats(x, temperature, seeds, draws, softcap=softcap, backend="torch")
+        got = ds.row_stats(x, temperature, seeds, draws, softcap=softcap, backend="triton",
+                           sample_block=sb)
+    want = ds.row_stats(x, temperature, seeds, draws, softcap=softcap, backend="torch",
+                        sample_block=sb)
     ties = check_row_stats(x.cpu(), temperature.cpu(), seeds.cpu(), draws.cpu(),
-                           _cpu(got), _cpu(want), softcap=softcap)
+                           _cpu(got), _cpu(want), softcap=softcap, sample_block=sb)
     assert ties <= max(1, spec.r * spec.w // 50), f"{ties} near-ties"
 
 
@@ -442,13 +473,15 @@ def test_row_stats_filters_triton_matches_oracle(spec, data, softcap, filters):
             allowed[-1] = False
         allowed = allowed.to(DEVICE)
     kw = dict(softcap=softcap, top_k=top_k, top_p=top_p, allowed=allowed)
-    with _Patched(_triton_row_stats(data.draw(st.sampled_from([None, 128]), "block"))):
-        got = ds.row_stats(x, temperature, seeds_t, draws_t, backend="triton", **kw)
-    want = ds.row_stats(x, temperature, seeds_t, draws_t, backend="torch", **kw)
+    block = data.draw(st.sampled_from([None, 128]), "block")
+    sb = max(data.draw(sample_block_st, "sample_block"), block or 0)
+    with _Patched(_triton_row_stats(block)):
+        got = ds.row_stats(x, temperature, seeds_t, draws_t, backend="triton", sample_block=sb, **kw)
+    want = ds.row_stats(x, temperature, seeds_t, draws_t, backend="torch", sample_block=sb, **kw)
     cpu_kw = {k: (None if t is None or isinstance(t, float) else t.cpu()) for k, t in kw.items()}
     cpu_kw["softcap"] = softcap
     check_row_stats(x.cpu(), temperature.cpu(), seeds_t.cpu(), draws_t.cpu(), _cpu(got), _cpu(want),
-                    **cpu_kw)
+                    sample_block=sb, **cpu_kw)
 
 
 @needs_triton
