@@ -31,6 +31,8 @@ def args(**over):
     (dict(top_p=torch.tensor([0.5, 1.5])), ValueError, r"top_p must be in \(0, 1\]"),
     (dict(allowed=torch.ones(R, V + 1, dtype=torch.bool)), ValueError, "allowed must have shape"),
     (dict(softcap=-1.0), ValueError, "softcap must be"),
+    (dict(sample_block=100), ValueError, "sample_block must be a power of two"),
+    (dict(sample_block=8), ValueError, "sample_block must be a power of two"),
 ])
 def test_row_stats_rejects(over, exc, match):
     with pytest.raises(exc, match=match):
