@@ -39,38 +39,20 @@ if "--count" in sys.argv and not torch.cuda.is_available():
     # Must be set before Triton is imported (dgemma_sampler's kernels import it lazily).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import dgemma_sampler as ds  # noqa: E402
+from bench_step import device_timer, make_sampler  # noqa: E402  (this script's folder)
 from torch.overrides import TorchFunctionMode  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 
-def make_sampler(n, canvas, vocab, hidden, embed, device="cuda", backend="auto"):
-    cfg = ds.SamplerConfig(canvas_length=canvas, confidence_threshold=0.0,
-                           max_denoising_steps=1_000_000)
-    state = ds.DiffusionState(n, cfg, vocab, hidden, device)
-    for s in range(n):
-        state.add_request(s, seed=1000 + s)
-    sampler = ds.DiffusionSampler(cfg, state, embed, float(hidden) ** 0.5, backend=backend)
-    sampler.prefill(list(range(n)))
-    return sampler
-
-
-def median_ms(fn, reps, events):
+def wall_ms(fn, reps):
+    """Median host wall clock of ``fn``, the device synchronised at both ends."""
     times = []
     for _ in range(reps):
-        if events:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            times.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
 
@@ -196,7 +178,7 @@ def count_step(n, canvas, vocab, hidden, steps, device, backend, top):
     gen = torch.Generator(device=device).manual_seed(0)
     embed = (torch.randn(vocab, hidden, device=device, generator=gen) * 0.02).to(torch.bfloat16)
     logits = torch.randn(n * canvas, vocab, device=device, generator=gen) * 3
-    sampler = make_sampler(n, canvas, vocab, hidden, embed, device, backend)
+    sampler = make_sampler(n, canvas, vocab, hidden, embed, backend, device)
     slots = list(range(n))
     sampler.step(logits, slots)  # warm-up: compiles / rewrites the kernels
     aten, moves = _AtenCounter(), _TransferCounter(torch.device(device))
@@ -285,13 +267,13 @@ def main() -> None:
     embed = (torch.randn(args.vocab, args.hidden, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
     for n in [int(r) for r in args.requests.split(",")]:
         logits = torch.randn(n * args.canvas, args.vocab, device="cuda", generator=gen) * 3
-        sampler = make_sampler(n, args.canvas, args.vocab, args.hidden, embed)
+        sampler = make_sampler(n, args.canvas, args.vocab, args.hidden, embed, "auto", "cuda")
         slots = list(range(n))
         step = lambda: sampler.step(logits, slots)  # noqa: E731
         for _ in range(3):
             step()
-        ev = median_ms(step, args.reps, True)
-        wall = median_ms(step, args.reps, False)
+        ev = device_timer(step, 0, args.reps, True)
+        wall = wall_ms(step, args.reps)
         run = sampler.graphable(slots)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -301,7 +283,7 @@ def main() -> None:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             run(logits)
-        graph_ms = median_ms(graph.replay, args.reps, True)
+        graph_ms = device_timer(graph.replay, 0, args.reps, True)
         print(f"\n== {n} requests: events {ev:.3f} ms  wall {wall:.3f} ms  graph replay {graph_ms:.3f} ms")
         results.append({"requests": n, "events_ms": ev, "wall_ms": wall, "graph_ms": graph_ms})
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,

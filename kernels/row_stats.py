@@ -151,6 +151,22 @@ def _accumulate(z, offs, start, big_m, holds, arg, rest, a_rest, r_acc, a_acc):
     return big_m, holds, arg, rest, a_rest, r_acc, a_acc
 
 
+@triton.jit
+def _sampling_block_start(m, BLOCK: tl.constexpr):
+    """The state ``_accumulate`` starts a sampling block from: sums relative to the row's
+    maximum ``m`` so far, no arg-max entry held, nothing summed."""
+    return (m, tl.full((), 0.0, tl.float32), tl.full((), 0, tl.int32),
+            tl.full((), 0.0, tl.float32), tl.full((), 0.0, tl.float32),
+            tl.zeros([BLOCK], tl.float32), tl.zeros([BLOCK], tl.float32))
+
+
+@triton.jit
+def _filter_gap(top, best):
+    """``top - best`` plus a relative slack far above the rounding of exp2, the product and the
+    two logs of the exact noise: the hash filters compare a uniform against exp(gap)."""
+    return (top - best) + (1e-3 + 1e-6 * (tl.abs(top) + tl.abs(best)))
+
+
 @triton.jit(do_not_specialize=["vocab_offset"])
 def _row_stats_kernel(
     logits_ptr, row_stride,                      # [N, V] rows, last dim contiguous
@@ -207,13 +223,7 @@ def _row_stats_kernel(
     best = tl.full((), NEG_INF, tl.float32)    # best sampling-block key so far
     best_start = tl.full((), 0, tl.int32)      # its first column
     # The current sampling block: sums relative to big_m (see _accumulate), per lane.
-    big_m = tl.full((), NEG_INF, tl.float32)
-    holds = tl.full((), 0.0, tl.float32)
-    arg_b = tl.full((), 0, tl.int32)
-    rest = tl.full((), 0.0, tl.float32)
-    a_rest = tl.full((), 0.0, tl.float32)
-    r_acc = tl.zeros([BLOCK], tl.float32)
-    a_acc = tl.zeros([BLOCK], tl.float32)
+    big_m, holds, arg_b, rest, a_rest, r_acc, a_acc = _sampling_block_start(m, BLOCK)
 
     n_walk = tl.where(todo, lead + vocab, 0)  # positions walked, from the boundary
     if PREFETCH:
@@ -244,13 +254,7 @@ def _row_stats_kernel(
             a_b = tl.sum(a_acc, 0) + a_rest
             if (r_b != r_b) | (a_b != a_b):
                 # NaN or +inf somewhere in the block: read it again on the clean path.
-                big_m = m
-                holds = tl.full((), 0.0, tl.float32)
-                arg_b = tl.full((), 0, tl.int32)
-                rest = tl.full((), 0.0, tl.float32)
-                a_rest = tl.full((), 0.0, tl.float32)
-                r_acc = tl.zeros([BLOCK], tl.float32)
-                a_acc = tl.zeros([BLOCK], tl.float32)
+                big_m, holds, arg_b, rest, a_rest, r_acc, a_acc = _sampling_block_start(m, BLOCK)
                 nan_acc = tl.zeros([BLOCK], tl.float32)
                 for s2 in range(b0, end - lead, BLOCK):
                     x2 = tl.load(row_ptr + s2 + offs, mask=(offs >= -s2) & (offs < n_cols - s2),
@@ -287,20 +291,14 @@ def _row_stats_kernel(
                     if lse_b + GUMBEL_MAX >= best:
                         index = first_block + b_walk // SAMPLE_BLOCK
                         bits = kn.token_bits(block_key, index)
-                        gap = (lse_b - best) + (1e-3 + 1e-6 * (tl.abs(lse_b) + tl.abs(best)))
+                        gap = _filter_gap(lse_b, best)
                         w = (bits.to(tl.float32) + 0.5) * (1.0 / TWO_POW_32)
                         if (gap > FILTER_MAX_GAP) | (w <= tl.exp2(gap * LOG2E)):
                             key = lse_b + kn.gumbel(bits)
                             if key > best:
                                 best = key
                                 best_start = b0
-            big_m = m
-            holds = tl.full((), 0.0, tl.float32)
-            arg_b = tl.full((), 0, tl.int32)
-            rest = tl.full((), 0.0, tl.float32)
-            a_rest = tl.full((), 0.0, tl.float32)
-            r_acc = tl.zeros([BLOCK], tl.float32)
-            a_acc = tl.zeros([BLOCK], tl.float32)
+            big_m, holds, arg_b, rest, a_rest, r_acc, a_acc = _sampling_block_start(m, BLOCK)
 
     entropy, lse = finish_stats(m, r_row, a_row)
     chosen = arg
@@ -327,9 +325,8 @@ def _row_stats_kernel(
                 bits = kn.token_bits(token_key, token)
                 hit = tl.full((), 1, tl.int32)
                 if NOISE_FILTER:
-                    # Can w <= exp(z - tb + slack) hold anywhere? The slack covers the
-                    # rounding of exp2, the product and the two logs of the exact noise.
-                    gap = (t_max - tb) + (1e-3 + 1e-6 * (tl.abs(t_max) + tl.abs(tb)))
+                    # Can w <= exp(z - tb + slack) hold anywhere?
+                    gap = _filter_gap(t_max, tb)
                     if gap <= FILTER_MAX_GAP:
                         e3 = tl.exp2(tl.maximum((z3 - t_max) * LOG2E, U_FLOOR))
                         scale = tl.exp2(gap * LOG2E) * TWO_POW_32
