@@ -19,7 +19,7 @@ and ``flat`` (the normal bulk alone, at 32 requests only: the worst case for sam
 no vocabulary block can be ruled out). ``greedy`` rows (T = 0) show the cost of the pass
 without noise. A config sweep at 32 requests (``lm`` data; greedy and sampling; ``--full-sweep``
 for more configs, ``--no-sweep`` to skip it) prints the best launch configuration of the
-stats pass (and, with ``--full-sweep``, of the top-k/top-p scan and search). Fresh machines
+stats pass (and, with ``--threshold-sweep``, of the top-k/top-p search). Fresh machines
 compile every variant (the top-k/top-p search kernel takes ~25 s per variant); the default
 run is meant to stay near 3 minutes.
 """
@@ -43,16 +43,22 @@ from dgemma_sampler import reference  # noqa: E402
 from dgemma_sampler.kernels import row_stats as rs  # noqa: E402
 
 WIDTH, VOCAB = 256, 262144
-SWEEP = [  # stats pass: (block, num_warps, prefetch, num_stages, maxnreg); greedy and sampling
-    (512, 2, True, 1, None), (1024, 2, True, 1, None), (1024, 4, True, 1, None),
-    (2048, 4, True, 1, None), (256, 1, True, 1, None), (512, 1, True, 1, None),
-    (2048, 8, False, 3, None), (1024, 4, False, 3, None),
+SWEEP = [  # stats pass launch configs (keys of row_stats.default_config); greedy and sampling
+    dict(block=256, num_warps=1, prefetch=p, num_stages=1) for p in (1, 2, 3, 4)
+] + [  # a register cap raises the number of one-warp programs per SM (at most 32)
+    dict(block=256, num_warps=1, prefetch=p, num_stages=1, maxnreg=r) for p in (2, 4) for r in (64, 80, 96)
+] + [
+    dict(block=256, num_warps=1, prefetch=4, num_stages=1, fast_exp2=False),
+    dict(block=512, num_warps=1, prefetch=2, num_stages=1, maxnreg=96),
 ]
-FULL_SWEEP = SWEEP + [(512, 2, False, 4, None), (2048, 8, True, 1, None), (4096, 8, True, 1, None),
-                      (1024, 2, True, 1, 128), (256, 1, True, 2, 96)]
-THRESHOLD_SWEEP = [  # top-k / top-p scan and search, bf16 only (each search variant compiles ~25 s)
-    dict(scan_tile=1024, scan_warps=2, scan_stages=6), dict(scan_tile=4096, scan_warps=8, scan_stages=3),
-    dict(cap=512, num_warps=4),
+FULL_SWEEP = SWEEP + [
+    dict(block=512, num_warps=2, prefetch=0, num_stages=4), dict(block=1024, num_warps=4, prefetch=2, num_stages=1),
+    dict(block=2048, num_warps=8, prefetch=0, num_stages=3), dict(block=256, num_warps=1, prefetch=4, num_stages=1,
+                                                                  maxnreg=96),
+]
+THRESHOLD_SWEEP = [  # top-k / top-p scan and search (each search variant compiles ~25 s)
+    dict(cap=256, num_warps=4, group=4), dict(cap=256, num_warps=2, group=4),
+    dict(cap=256, num_warps=4, group=4, sub=512),
 ]
 
 
@@ -92,6 +98,24 @@ def bench_ms(fn, bufs) -> float:
         fn(bufs[state["i"] % len(bufs)])
 
     return float(triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median"))
+
+
+def kernel_ms(fn, bufs, reps: int = 10) -> dict[str, float]:
+    """Mean device time per call of each kernel ``fn`` launches (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn(bufs[0])
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(reps):
+            fn(bufs[i % len(bufs)])
+        torch.cuda.synchronize()
+    out = {}
+    for ev in prof.key_averages():
+        total = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if total > 0:
+            out[ev.key] = total / reps / 1e3
+    return out
 
 
 def copy_tbps() -> float:
@@ -134,6 +158,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="32 requests only, no sweep")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--full-sweep", action="store_true", help="more launch configs (slower)")
+    ap.add_argument("--threshold-sweep", action="store_true",
+                    help="also top-k/top-p search configs at 32 requests (~25 s compile each)")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA device"
     t_start = time.time()
@@ -177,6 +203,10 @@ def main() -> None:
                         ref_ms = bench_ms(ref, bufs)
                         rec["torch_ms"] = ref_ms
                         rec["speedup_vs_torch"] = ref_ms / ms
+                    if n_req in (1, 32) and kind == "lm" and mode == "sample+topk/topp":
+                        rec["kernels_ms"] = kernel_ms(run, bufs)
+                        print("  per kernel: " + ", ".join(f"{k[:40]} {v:.3f} ms" for k, v in
+                                                           rec["kernels_ms"].items()), flush=True)
                     results.append(rec)
                     print(f"{dname:9s} req={n_req:2d} {kind:4s} {mode:17s} {ms:8.3f} ms "
                           f"{rec['tbps']:5.2f} TB/s ({rec['vs_copy']:.2f} x copy)"
@@ -184,9 +214,7 @@ def main() -> None:
                              if "torch_ms" in rec else ""), flush=True)
                 if n_req == 32 and kind == "lm" and not (args.quick or args.no_sweep):
                     greedy_t = torch.zeros_like(temperature)
-                    for block, warps, prefetch, stages, maxnreg in (FULL_SWEEP if args.full_sweep else SWEEP):
-                        cfg = dict(block=block, num_warps=warps, prefetch=prefetch, num_stages=stages,
-                                   maxnreg=maxnreg)
+                    for cfg in (FULL_SWEEP if args.full_sweep else SWEEP):
                         for mode, t in (("sweep", temperature), ("sweep greedy", greedy_t)):
                             def run(x, cfg=cfg, t=t):
                                 return rs.row_stats_rows(x, row_request, row_position, t,
@@ -198,7 +226,8 @@ def main() -> None:
                             rec["vs_copy"] = rec["tbps"] / copy
                             results.append(rec)
                             print(f"  {mode} {cfg}: {ms:.3f} ms {rec['tbps']:.2f} TB/s", flush=True)
-                    for tcfg in (THRESHOLD_SWEEP if dtype == torch.bfloat16 and args.full_sweep else []):
+                    threshold_sweep = THRESHOLD_SWEEP if dtype == torch.float32 else THRESHOLD_SWEEP[:1]
+                    for tcfg in (threshold_sweep if args.threshold_sweep else []):
                         def run(x, tcfg=tcfg):
                             return rs.row_stats_rows(x, row_request, row_position, temperature,
                                                      seeds, draws, top_k=top_k, top_p=top_p,

@@ -31,6 +31,19 @@ NO_INDEX = tl.constexpr(2**31 - 1)
 
 
 @triton.jit
+def exp2_ftz(d2, INTERPRET: tl.constexpr):
+    """``2^d2`` as one ``MUFU.EX2``: ``ex2.approx.ftz`` skips the range fix-up that plain
+    ``exp2`` wraps around it for subnormal results (< 2^-126: 87 nats below the reference
+    entry, nothing a sum, a bf16/fp16 MMA operand or a sampling key can notice). The
+    interpreter has no inline assembly and takes ``tl.exp2``."""
+    if INTERPRET:
+        return tl.exp2(d2)
+    else:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [d2],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
 def tanh(y):
     """fp32 tanh without libdevice (the interpreter has none), within a few ulp of torch."""
     a = tl.abs(y)

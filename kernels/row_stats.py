@@ -27,6 +27,14 @@ block's sum NaN (``2^NaN``, or ``inf - inf``), and a sampling block whose sum is
 read again on a clean path that masks NaN, clamps +inf to FLT_MAX and flags the row, the
 reference semantics. ``-inf`` (masked) entries give ``2^-inf = 0`` and a clamped ``u``.
 
+What bounds the pass is not that arithmetic but the loads a warp keeps in flight (about
+20 one-warp programs fit on an SM): the walk is unrolled and each step's buffer is reloaded
+``prefetch`` blocks ahead, and whole blocks load unmasked from addresses known to be
+aligned, as 16-byte vectors (``_walk_load``). On an H200 that took fp32 from 2.59 to 2.45 ms
+and bf16 from 2.45 to 2.05 ms at 32 requests (``bench/results/row_stats-h200-v9.log``); bf16
+is still at half the copy bandwidth, so its per-entry work (about ten instructions, a
+cross-lane max and a branch per block) is now what limits it.
+
 Why two stages and not one Gumbel-max over the row (this kernel's first version): the
 keyed per-token noise costs a 32-bit hash per entry, about 20 instructions even behind a
 filter, several times the statistics above, and it kept the pass compute-bound at about
@@ -50,6 +58,8 @@ this kernel then skips the row. Other thresholded rows come here with ``x < thre
 masked.
 """
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -58,8 +68,8 @@ from dgemma_sampler import reference
 from dgemma_sampler.reference import RowStats
 
 from . import keyed_noise as kn
-from .logit_row import (FLT_MAX, LOG2E, NEG_INF, NO_INDEX, U_FLOOR, finish_stats, log1p, scaled,
-                        softcapped)
+from .logit_row import (FLT_MAX, LOG2E, NEG_INF, NO_INDEX, U_FLOOR, exp2_ftz, finish_stats, log1p,
+                        scaled, softcapped)
 
 # Largest Gumbel value of keyed_noise: bits = 0 gives E = 2^-33, G = 33 ln 2 = 22.87.
 GUMBEL_MAX = tl.constexpr(22.9)
@@ -110,7 +120,8 @@ def _block_z(x, offs, start, vocab, inv_t, threshold, allowed_row,
 
 
 @triton.jit
-def _accumulate(z, offs, start, big_m, holds, arg, rest, a_rest, r_acc, a_acc):
+def _accumulate(z, offs, start, big_m, holds, arg, rest, a_rest, r_acc, a_acc,
+                PLAIN_EXP2: tl.constexpr):
     """Add one vocabulary block's ``z`` to a sampling block's running sums.
 
     The sums are relative to ``big_m``: the row's running maximum when the sampling block
@@ -134,7 +145,7 @@ def _accumulate(z, offs, start, big_m, holds, arg, rest, a_rest, r_acc, a_acc):
         big_m = bm
         holds = tl.full((), 1.0, tl.float32)
         u = (z - big_m) * LOG2E
-        e = tl.exp2(u)
+        e = exp2_ftz(u, PLAIN_EXP2)
         r_acc += tl.where(offs == at, 0.0, e)
         a_acc += tl.maximum(u, U_FLOOR) * e
     else:
@@ -144,7 +155,7 @@ def _accumulate(z, offs, start, big_m, holds, arg, rest, a_rest, r_acc, a_acc):
         else:
             # z * log2(e) would overflow near FLT_MAX.
             u = (z - big_m) * LOG2E
-        e = tl.exp2(u)
+        e = exp2_ftz(u, PLAIN_EXP2)
         r_acc += e
         # u = -inf (masked) has e = 0: clamped, it adds 0 instead of NaN. NaN stays NaN.
         a_acc += tl.maximum(u, U_FLOOR) * e
@@ -167,6 +178,104 @@ def _filter_gap(top, best):
     return (top - best) + (1e-3 + 1e-6 * (tl.abs(top) + tl.abs(best)))
 
 
+@triton.jit
+def _walk_load(row_ptr, walk, offs, lead, n_walk, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+    """The vocabulary block at walk position ``walk`` (column ``walk - lead``); -inf outside
+    the slice and past its end (those loads are masked off, never issued to memory).
+
+    ``ALIGNED`` (lead = 0): every block but the last loads without a mask from an address
+    the compiler knows is a multiple of BLOCK entries, so it vectorizes (one 16-byte load per
+    8 bf16 or 4 fp32 entries). A per-entry mask against a runtime bound, or an offset of
+    unknown alignment, would make it load entry by entry: as many load instructions per
+    entry for bf16 as for fp32, which made the bf16 pass cost as much as the fp32 one.
+    """
+    if ALIGNED:
+        if walk + BLOCK <= n_walk:
+            x = tl.load(row_ptr + walk + offs)
+        else:
+            x = tl.load(row_ptr + walk + offs, mask=walk + offs < n_walk, other=NEG_INF)
+    else:
+        pos = walk + offs
+        x = tl.load(row_ptr + (walk - lead) + offs, mask=(pos >= lead) & (pos < n_walk),
+                    other=NEG_INF)
+    return x
+
+
+@triton.jit
+def _walk_block(x_raw, walk, offs, lead, n_walk, n_cols, row_ptr, allowed_row, block_key,
+                first_block, vocab, inv_t, threshold, sampling,
+                m, arg, r_row, a_row, has_nan, best, best_start,
+                big_m, holds, arg_b, rest, a_rest, r_acc, a_acc,
+                SOFTCAP: tl.constexpr, HAS_THRESHOLD: tl.constexpr, HAS_ALLOWED: tl.constexpr,
+                SAMPLE_BLOCK: tl.constexpr, BLOCK: tl.constexpr, PLAIN_EXP2: tl.constexpr):
+    """One vocabulary block of the walk: accumulate it; where it ends a sampling block, merge
+    that block into the row and let its key compete (stage a). Returns the updated state:
+    the row's (m, arg, r_row, a_row, has_nan, best, best_start) and the sampling block's."""
+    start = walk - lead  # column of the block's first entry
+    z = _block_z(x_raw.to(tl.float32), offs, start, vocab, inv_t, threshold, allowed_row,
+                 SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, False)
+    big_m, holds, arg_b, rest, a_rest, r_acc, a_acc = _accumulate(
+        z, offs, start, big_m, holds, arg_b, rest, a_rest, r_acc, a_acc, PLAIN_EXP2)
+
+    end = walk + BLOCK
+    if ((end % SAMPLE_BLOCK) == 0) | (end >= n_walk):
+        # The sampling block [b0, b0 + SAMPLE_BLOCK) (columns) is complete.
+        b_walk = walk - walk % SAMPLE_BLOCK  # BLOCK divides SAMPLE_BLOCK
+        b0 = b_walk - lead
+        r_b = tl.sum(r_acc, 0) + rest
+        a_b = tl.sum(a_acc, 0) + a_rest
+        if (r_b != r_b) | (a_b != a_b):
+            # NaN or +inf somewhere in the block: read it again on the clean path.
+            big_m, holds, arg_b, rest, a_rest, r_acc, a_acc = _sampling_block_start(m, BLOCK)
+            nan_acc = tl.zeros([BLOCK], tl.float32)
+            for s2 in range(b0, end - lead, BLOCK):
+                x2 = tl.load(row_ptr + s2 + offs, mask=(offs >= -s2) & (offs < n_cols - s2),
+                             other=NEG_INF)
+                x2 = x2.to(tl.float32)
+                nan_acc = tl.maximum(nan_acc, x2, propagate_nan=tl.PropagateNan.ALL)
+                z2 = _block_z(x2, offs, s2, vocab, inv_t, threshold, allowed_row,
+                              SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, True)
+                big_m, holds, arg_b, rest, a_rest, r_acc, a_acc = _accumulate(
+                    z2, offs, s2, big_m, holds, arg_b, rest, a_rest, r_acc, a_acc, PLAIN_EXP2)
+            has_nan = has_nan | tl.max((nan_acc != nan_acc).to(tl.int32), 0)
+            r_b = tl.sum(r_acc, 0) + rest
+            a_b = tl.sum(a_acc, 0) + a_rest
+        # Merge into the row. A block that raised the maximum (strictly: an equal later
+        # maximum keeps the lower id) holds the new arg-max; else its sums are already
+        # relative to the row's maximum.
+        if holds > 0:
+            had_max = m > NEG_INF
+            d = tl.where(had_max, tl.maximum((m - big_m) * LOG2E, U_FLOOR), 0.0)
+            alpha = tl.exp2(d)
+            a_row = tl.where(had_max, (a_row + d * (r_row + 1.0)) * alpha, 0.0) + a_b
+            r_row = tl.where(had_max, (r_row + 1.0) * alpha, 0.0) + r_b
+            m = big_m
+            arg = arg_b
+        else:
+            a_row += a_b
+            r_row += r_b
+        if sampling:
+            # Stage a: the block's key lse_b + G_b (lse_b = -inf when nothing is kept).
+            # G_b <= -log w (w the hash's uniform), so the logs are needed only if
+            # w <= exp(lse_b - best).
+            lse_b = tl.where(holds > 0, big_m + log1p(r_b), big_m + tl.log(r_b))
+            if (r_b + holds > 0) & (big_m > NEG_INF):
+                if lse_b + GUMBEL_MAX >= best:
+                    index = first_block + b_walk // SAMPLE_BLOCK
+                    bits = kn.token_bits(block_key, index)
+                    gap = _filter_gap(lse_b, best)
+                    w = (bits.to(tl.float32) + 0.5) * (1.0 / TWO_POW_32)
+                    if (gap > FILTER_MAX_GAP) | (w <= tl.exp2(gap * LOG2E)):
+                        key = lse_b + kn.gumbel(bits)
+                        if key > best:
+                            best = key
+                            best_start = b0
+        big_m, holds, arg_b, rest, a_rest, r_acc, a_acc = _sampling_block_start(m, BLOCK)
+
+    return (m, arg, r_row, a_row, has_nan, best, best_start,
+            big_m, holds, arg_b, rest, a_rest, r_acc, a_acc)
+
+
 @triton.jit(do_not_specialize=["vocab_offset"])
 def _row_stats_kernel(
     logits_ptr, row_stride,                      # [N, V] rows, last dim contiguous
@@ -187,8 +296,10 @@ def _row_stats_kernel(
     NOISE_FILTER: tl.constexpr,  # the hash filter of stage b (False only to measure it)
     SAMPLE_BLOCK: tl.constexpr,  # positions per sampling block (a multiple of BLOCK)
     BLOCK: tl.constexpr,
-    PREFETCH: tl.constexpr,      # register prefetch of the next block
+    PREFETCH: tl.constexpr,      # blocks loaded ahead into registers (0: none)
     NUM_STAGES: tl.constexpr,    # Triton's own load pipelining (cp.async) when > 1
+    ALIGNED: tl.constexpr,       # vocab_offset % SAMPLE_BLOCK == 0 (no lead)
+    PLAIN_EXP2: tl.constexpr,    # tl.exp2 in the hot loop, not ex2.approx.ftz (interpreter)
 ):
     row = tl.program_id(0)
     request = tl.load(row_request_ptr + row).to(tl.int64)
@@ -210,7 +321,10 @@ def _row_stats_kernel(
     # The walk starts on the sampling-block boundary at or before the slice: column
     # `start` runs from -lead (masked) so that vocabulary blocks never straddle two
     # sampling blocks. lead = 0 when vocab_offset is a multiple of SAMPLE_BLOCK.
-    lead = (vocab_offset % SAMPLE_BLOCK).to(tl.int32)
+    if ALIGNED:
+        lead = 0
+    else:
+        lead = (vocab_offset % SAMPLE_BLOCK).to(tl.int32)
     first_block = vocab_offset // SAMPLE_BLOCK
 
     offs = tl.arange(0, BLOCK)
@@ -226,79 +340,61 @@ def _row_stats_kernel(
     big_m, holds, arg_b, rest, a_rest, r_acc, a_acc = _sampling_block_start(m, BLOCK)
 
     n_walk = tl.where(todo, lead + vocab, 0)  # positions walked, from the boundary
-    if PREFETCH:
-        # Register prefetch: the load of the next block is in flight while this one computes.
-        x_next = tl.load(row_ptr + (offs - lead), mask=(offs >= lead) & (offs < n_walk),
-                         other=NEG_INF)
-    for walk in tl.range(0, n_walk, BLOCK, num_stages=NUM_STAGES):
-        start = walk - lead  # column of the block's first entry
-        if PREFETCH:
-            x_raw = x_next
-            nxt = walk + BLOCK + offs
-            x_next = tl.load(row_ptr + (start + BLOCK) + offs, mask=(nxt >= lead) & (nxt < n_walk),
-                             other=NEG_INF)
-        else:
-            x_raw = tl.load(row_ptr + start + offs,
-                            mask=(walk + offs >= lead) & (walk + offs < n_walk), other=NEG_INF)
-        z = _block_z(x_raw.to(tl.float32), offs, start, vocab, inv_t, threshold, allowed_row,
-                     SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, False)
-        big_m, holds, arg_b, rest, a_rest, r_acc, a_acc = _accumulate(
-            z, offs, start, big_m, holds, arg_b, rest, a_rest, r_acc, a_acc)
-
-        end = walk + BLOCK
-        if ((end % SAMPLE_BLOCK) == 0) | (end >= n_walk):
-            # The sampling block [b0, b0 + SAMPLE_BLOCK) (columns) is complete.
-            b_walk = walk - walk % SAMPLE_BLOCK  # BLOCK divides SAMPLE_BLOCK
-            b0 = b_walk - lead
-            r_b = tl.sum(r_acc, 0) + rest
-            a_b = tl.sum(a_acc, 0) + a_rest
-            if (r_b != r_b) | (a_b != a_b):
-                # NaN or +inf somewhere in the block: read it again on the clean path.
-                big_m, holds, arg_b, rest, a_rest, r_acc, a_acc = _sampling_block_start(m, BLOCK)
-                nan_acc = tl.zeros([BLOCK], tl.float32)
-                for s2 in range(b0, end - lead, BLOCK):
-                    x2 = tl.load(row_ptr + s2 + offs, mask=(offs >= -s2) & (offs < n_cols - s2),
-                                 other=NEG_INF)
-                    x2 = x2.to(tl.float32)
-                    nan_acc = tl.maximum(nan_acc, x2, propagate_nan=tl.PropagateNan.ALL)
-                    z2 = _block_z(x2, offs, s2, vocab, inv_t, threshold, allowed_row,
-                                  SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, True)
-                    big_m, holds, arg_b, rest, a_rest, r_acc, a_acc = _accumulate(
-                        z2, offs, s2, big_m, holds, arg_b, rest, a_rest, r_acc, a_acc)
-                has_nan = has_nan | tl.max((nan_acc != nan_acc).to(tl.int32), 0)
-                r_b = tl.sum(r_acc, 0) + rest
-                a_b = tl.sum(a_acc, 0) + a_rest
-            # Merge into the row. A block that raised the maximum (strictly: an equal later
-            # maximum keeps the lower id) holds the new arg-max; else its sums are already
-            # relative to the row's maximum.
-            if holds > 0:
-                had_max = m > NEG_INF
-                d = tl.where(had_max, tl.maximum((m - big_m) * LOG2E, U_FLOOR), 0.0)
-                alpha = tl.exp2(d)
-                a_row = tl.where(had_max, (a_row + d * (r_row + 1.0)) * alpha, 0.0) + a_b
-                r_row = tl.where(had_max, (r_row + 1.0) * alpha, 0.0) + r_b
-                m = big_m
-                arg = arg_b
-            else:
-                a_row += a_b
-                r_row += r_b
-            if sampling:
-                # Stage a: the block's key lse_b + G_b (lse_b = -inf when nothing is kept).
-                # G_b <= -log w (w the hash's uniform), so the logs are needed only if
-                # w <= exp(lse_b - best).
-                lse_b = tl.where(holds > 0, big_m + log1p(r_b), big_m + tl.log(r_b))
-                if (r_b + holds > 0) & (big_m > NEG_INF):
-                    if lse_b + GUMBEL_MAX >= best:
-                        index = first_block + b_walk // SAMPLE_BLOCK
-                        bits = kn.token_bits(block_key, index)
-                        gap = _filter_gap(lse_b, best)
-                        w = (bits.to(tl.float32) + 0.5) * (1.0 / TWO_POW_32)
-                        if (gap > FILTER_MAX_GAP) | (w <= tl.exp2(gap * LOG2E)):
-                            key = lse_b + kn.gumbel(bits)
-                            if key > best:
-                                best = key
-                                best_start = b0
-            big_m, holds, arg_b, rest, a_rest, r_acc, a_acc = _sampling_block_start(m, BLOCK)
+    # Register prefetch, PREFETCH blocks deep: the walk is unrolled PREFETCH times and each
+    # unrolled step owns one buffer, reloaded (PREFETCH blocks ahead) right after its block is
+    # consumed, so no register copy ever waits on a load in flight. One warp per row keeps
+    # about PREFETCH loads in flight; the pass is bound by that latency, not by arithmetic.
+    STEP: tl.constexpr = BLOCK * (PREFETCH + (PREFETCH == 0))  # walk positions per iteration
+    if PREFETCH > 0:
+        x_a = _walk_load(row_ptr, 0, offs, lead, n_walk, BLOCK, ALIGNED)
+    if PREFETCH > 1:
+        x_b = _walk_load(row_ptr, BLOCK, offs, lead, n_walk, BLOCK, ALIGNED)
+    if PREFETCH > 2:
+        x_c = _walk_load(row_ptr, 2 * BLOCK, offs, lead, n_walk, BLOCK, ALIGNED)
+    if PREFETCH > 3:
+        x_d = _walk_load(row_ptr, 3 * BLOCK, offs, lead, n_walk, BLOCK, ALIGNED)
+    for walk in tl.range(0, n_walk, STEP, num_stages=NUM_STAGES):
+        if PREFETCH == 0:
+            x_a = _walk_load(row_ptr, walk, offs, lead, n_walk, BLOCK, ALIGNED)
+        (m, arg, r_row, a_row, has_nan, best, best_start,
+         big_m, holds, arg_b, rest, a_rest, r_acc, a_acc) = _walk_block(
+            x_a, walk, offs, lead, n_walk, n_cols, row_ptr, allowed_row, block_key, first_block,
+            vocab, inv_t, threshold, sampling,
+            m, arg, r_row, a_row, has_nan, best, best_start,
+            big_m, holds, arg_b, rest, a_rest, r_acc, a_acc,
+            SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, SAMPLE_BLOCK, BLOCK, PLAIN_EXP2)
+        if PREFETCH > 0:
+            x_a = _walk_load(row_ptr, walk + STEP, offs, lead, n_walk, BLOCK, ALIGNED)
+        if PREFETCH > 1:
+            if walk + BLOCK < n_walk:
+                (m, arg, r_row, a_row, has_nan, best, best_start,
+                 big_m, holds, arg_b, rest, a_rest, r_acc, a_acc) = _walk_block(
+                    x_b, walk + BLOCK, offs, lead, n_walk, n_cols, row_ptr, allowed_row,
+                    block_key, first_block, vocab, inv_t, threshold, sampling,
+                    m, arg, r_row, a_row, has_nan, best, best_start,
+                    big_m, holds, arg_b, rest, a_rest, r_acc, a_acc,
+                    SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, SAMPLE_BLOCK, BLOCK, PLAIN_EXP2)
+            x_b = _walk_load(row_ptr, walk + STEP + BLOCK, offs, lead, n_walk, BLOCK, ALIGNED)
+        if PREFETCH > 2:
+            if walk + 2 * BLOCK < n_walk:
+                (m, arg, r_row, a_row, has_nan, best, best_start,
+                 big_m, holds, arg_b, rest, a_rest, r_acc, a_acc) = _walk_block(
+                    x_c, walk + 2 * BLOCK, offs, lead, n_walk, n_cols, row_ptr, allowed_row,
+                    block_key, first_block, vocab, inv_t, threshold, sampling,
+                    m, arg, r_row, a_row, has_nan, best, best_start,
+                    big_m, holds, arg_b, rest, a_rest, r_acc, a_acc,
+                    SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, SAMPLE_BLOCK, BLOCK, PLAIN_EXP2)
+            x_c = _walk_load(row_ptr, walk + STEP + 2 * BLOCK, offs, lead, n_walk, BLOCK, ALIGNED)
+        if PREFETCH > 3:
+            if walk + 3 * BLOCK < n_walk:
+                (m, arg, r_row, a_row, has_nan, best, best_start,
+                 big_m, holds, arg_b, rest, a_rest, r_acc, a_acc) = _walk_block(
+                    x_d, walk + 3 * BLOCK, offs, lead, n_walk, n_cols, row_ptr, allowed_row,
+                    block_key, first_block, vocab, inv_t, threshold, sampling,
+                    m, arg, r_row, a_row, has_nan, best, best_start,
+                    big_m, holds, arg_b, rest, a_rest, r_acc, a_acc,
+                    SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, SAMPLE_BLOCK, BLOCK, PLAIN_EXP2)
+            x_d = _walk_load(row_ptr, walk + STEP + 3 * BLOCK, offs, lead, n_walk, BLOCK, ALIGNED)
 
     entropy, lse = finish_stats(m, r_row, a_row)
     chosen = arg
@@ -358,6 +454,10 @@ def _row_stats_kernel(
         tl.store(sample_key_ptr + row, tl.where(sampling & kept, best, NEG_INF), mask=todo)
 
 
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def _check_rows(logits, row_request, row_position, temperature, seeds, draws, top_k, top_p,
                 allowed, vocab_offset, column_tokens):
     assert logits.dim() == 2, f"logits must be [N, V], got {tuple(logits.shape)}"
@@ -402,13 +502,17 @@ def default_config(logits: torch.Tensor) -> dict:
     A ``"threshold"`` entry (a dict of ``topk_topp.threshold_rows`` keywords) tunes the top-k /
     top-p search; the CPU tests use it to shrink the candidate buffer.
     """
-    # Measured on an H200 at 32 requests (bench/results/row_stats-h200-v4.log): small
-    # programs win, for bf16 as for fp32 (the pass costs the same per entry in both): one
-    # warp per row, 256-entry blocks, the register prefetch keeping the next block's load in
-    # flight. The choice must not depend on the number of rows: the block size sets the
-    # summation order of lse and entropy, and a request's bits may not depend on how the
-    # dispatcher tiled the batch (bench/results/gpu-tests-h200-v3.log caught exactly that).
-    return dict(block=256, num_warps=1, prefetch=True, num_stages=1, maxnreg=None)
+    # Measured on an H200 at 32 requests (bench/results/row_stats-h200-v4.log, -v9.log): small
+    # programs win: one warp per row, 256-entry blocks. The pass is bound by the latency of
+    # the loads a warp keeps in flight, so the register prefetch runs several blocks ahead:
+    # 2 for fp32 (3.51 TB/s; deeper costs registers, hence programs per SM), 4 for 16-bit
+    # logits (half the bytes per block). A register cap (maxnreg) spills and loses. The
+    # choice must not depend on the number of rows: the block size sets the summation order
+    # of lse and entropy, and a request's bits may not depend on how the dispatcher tiled the
+    # batch (bench/results/gpu-tests-h200-v3.log caught exactly that). The prefetch depth
+    # changes no bit (tests/test_row_stats_kernel.py::test_prefetch_depth_changes_no_bit).
+    prefetch = 2 if logits.dtype == torch.float32 else 4
+    return dict(block=256, num_warps=1, prefetch=prefetch, num_stages=1, maxnreg=None, fast_exp2=True)
 
 
 def row_stats_rows(
@@ -490,8 +594,10 @@ def row_stats_rows(
         NOISE_FILTER=noise_filter,
         SAMPLE_BLOCK=sample_block,
         BLOCK=block,
-        PREFETCH=cfg["prefetch"],
+        PREFETCH=int(cfg["prefetch"]),
         NUM_STAGES=cfg["num_stages"],
+        ALIGNED=vocab_offset % sample_block == 0,
+        PLAIN_EXP2=not cfg["fast_exp2"] or _interpreting(),
         num_warps=cfg["num_warps"],
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
     )

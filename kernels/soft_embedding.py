@@ -83,6 +83,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from dgemma_sampler import reference
 from dgemma_sampler.ops import FLOAT_DTYPES, check_tensor
 
+from .logit_row import exp2_ftz as _exp2
 from .logit_row import softcapped
 
 MAX_SCRATCH_BYTES = 32 * 2**20  # split-K partials beyond the output: at most 32 MiB
@@ -150,17 +151,6 @@ def _out_rows(row, in_range, out_index_ptr, HAS_OUT_INDEX: tl.constexpr):
 
 
 LOG2E = tl.constexpr(1.4426950408889634)
-
-
-@triton.jit
-def _exp2(d2, INTERPRET: tl.constexpr):
-    """``2^d2`` as one ``MUFU.EX2``: ``ex2.approx.ftz`` skips the range fix-up that plain
-    ``exp2`` wraps around it for subnormal results (p < 2^-126 is 0 in a bf16/fp16 MMA anyway)."""
-    if INTERPRET:
-        return tl.exp2(d2)
-    else:
-        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [d2],
-                                         dtype=tl.float32, is_pure=True, pack=1)
 
 
 @triton.jit

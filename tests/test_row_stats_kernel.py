@@ -378,6 +378,33 @@ def test_blocking_and_noise_filter_do_not_change_results(interpret):
     assert torch.equal(unfiltered.sample, base.sample)
 
 
+def test_prefetch_depth_changes_no_bit(interpret):
+    """The register prefetch (0-4 blocks ahead, the walk unrolled to match) only reorders
+    loads: every output is bit-identical, including rows whose length is not a multiple of
+    the unrolled step, an unaligned vocabulary slice, NaN / +inf and several sampling blocks."""
+    gen = torch.Generator().manual_seed(27)
+    n_rows, vocab, n_req = 5, 1999, 3
+    logits = torch.randn(n_rows, vocab, generator=gen) * 3
+    logits[1, 700] = float("nan")
+    logits[2, 1500] = float("inf")
+    logits[3, :1000] = float("-inf")
+    temperature, seeds, draws = _requests(n_req, gen, temps=(0.0, 0.7, 1.3))
+    row_request, row_position = _rows(n_rows, n_req, gen)
+    args = _on(interpret, logits, row_request, row_position, temperature, seeds, draws)
+    key = torch.empty(n_rows, device=args[0].device)
+    outs = []
+    for depth in range(5):
+        cfg = dict(block=128, num_warps=1, prefetch=depth, num_stages=1)
+        stats = rs.row_stats_rows(*args, config=cfg, vocab_offset=100, sample_block=256,
+                                  sample_key=key)
+        outs.append((stats, key.clone()))
+    (base, base_key), *others = outs
+    for stats, other_key in others:
+        for name in ("argmax", "sample", "entropy", "lse", "has_nan"):
+            assert torch.equal(getattr(stats, name), getattr(base, name)), name
+        assert torch.equal(other_key, base_key)
+
+
 def test_public_api_triton_backend(interpret):
     gen = torch.Generator().manual_seed(17)
     logits = torch.randn(2, 5, 600, generator=gen)
