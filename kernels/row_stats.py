@@ -27,9 +27,9 @@ block's sum NaN (``2^NaN``, or ``inf - inf``), and a sampling block whose sum is
 read again on a clean path that masks NaN, clamps +inf to FLT_MAX and flags the row, the
 reference semantics. ``-inf`` (masked) entries give ``2^-inf = 0`` and a clamped ``u``.
 
-What bounds the pass is not that arithmetic but the loads a warp keeps in flight (about
-20 one-warp programs fit on an SM): the walk is unrolled and each step's buffer is reloaded
-``prefetch`` blocks ahead, and whole blocks load unmasked from addresses known to be
+What bounds the pass is not that arithmetic but the loads a warp keeps in flight (at ~120
+registers, 16 one-warp programs fit on an SM): the walk is unrolled and each step's buffer is
+reloaded ``prefetch`` blocks ahead, and whole blocks load unmasked from addresses known to be
 aligned, as 16-byte vectors (``_walk_load``). On an H200 that took fp32 from 2.59 to 2.45 ms
 and bf16 from 2.45 to 2.05 ms at 32 requests (``bench/results/row_stats-h200-v9.log``); bf16
 is still at half the copy bandwidth, so its per-entry work (about ten instructions, a
