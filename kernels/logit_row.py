@@ -16,6 +16,8 @@ rounds to 1 in fp32, while ``R`` keeps its relative precision, so ``log1p(R)`` a
 entropy stay accurate to fp32 relative precision instead of fp32 absolute precision.
 """
 
+import os
+
 import triton
 import triton.language as tl
 
@@ -28,6 +30,11 @@ LN2 = tl.constexpr(0.6931471805599453)
 U_FLOOR = tl.constexpr(-160.0)
 # Larger than every token index (an int32 "no index" for lowest-index reductions).
 NO_INDEX = tl.constexpr(2**31 - 1)
+
+
+def interpreting() -> bool:
+    """True when the kernels run in Triton's interpreter (CPU tensors, no inline assembly)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit

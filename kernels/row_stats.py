@@ -58,8 +58,6 @@ this kernel then skips the row. Other thresholded rows come here with ``x < thre
 masked.
 """
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -68,8 +66,8 @@ from dgemma_sampler import reference
 from dgemma_sampler.reference import RowStats
 
 from . import keyed_noise as kn
-from .logit_row import (FLT_MAX, LOG2E, NEG_INF, NO_INDEX, U_FLOOR, exp2_ftz, finish_stats, log1p,
-                        scaled, softcapped)
+from .logit_row import (FLT_MAX, LOG2E, NEG_INF, NO_INDEX, U_FLOOR, exp2_ftz, finish_stats,
+                        interpreting, log1p, scaled, softcapped)
 
 # Largest Gumbel value of keyed_noise: bits = 0 gives E = 2^-33, G = 33 ln 2 = 22.87.
 GUMBEL_MAX = tl.constexpr(22.9)
@@ -454,10 +452,6 @@ def _row_stats_kernel(
         tl.store(sample_key_ptr + row, tl.where(sampling & kept, best, NEG_INF), mask=todo)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _check_rows(logits, row_request, row_position, temperature, seeds, draws, top_k, top_p,
                 allowed, vocab_offset, column_tokens):
     assert logits.dim() == 2, f"logits must be [N, V], got {tuple(logits.shape)}"
@@ -597,7 +591,7 @@ def row_stats_rows(
         PREFETCH=int(cfg["prefetch"]),
         NUM_STAGES=cfg["num_stages"],
         ALIGNED=vocab_offset % sample_block == 0,
-        PLAIN_EXP2=not cfg["fast_exp2"] or _interpreting(),
+        PLAIN_EXP2=not cfg["fast_exp2"] or interpreting(),
         num_warps=cfg["num_warps"],
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
     )

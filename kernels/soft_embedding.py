@@ -84,16 +84,12 @@ from dgemma_sampler import reference
 from dgemma_sampler.ops import FLOAT_DTYPES, check_tensor
 
 from .logit_row import exp2_ftz as _exp2
-from .logit_row import softcapped
+from .logit_row import interpreting, softcapped
 
 MAX_SCRATCH_BYTES = 32 * 2**20  # split-K partials beyond the output: at most 32 MiB
 MIN_K_BLOCKS_PER_PIECE = 8  # a split-K piece shorter than this is all prologue and epilogue
 MAX_SPLIT = 16
 PIECE_OVERHEAD = 0.02  # cost of one extra split-K wave (fill, drain, stage 2), in whole-tile units
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
