@@ -44,21 +44,22 @@ from dgemma_sampler.kernels import row_stats as rs  # noqa: E402
 
 WIDTH, VOCAB = 256, 262144
 SWEEP = [  # stats pass launch configs (keys of row_stats.default_config); greedy and sampling
-    dict(block=256, num_warps=1, prefetch=p, num_stages=1) for p in (1, 2, 3, 4)
-] + [  # a register cap raises the number of one-warp programs per SM (at most 32)
-    dict(block=256, num_warps=1, prefetch=p, num_stages=1, maxnreg=r) for p in (2, 4) for r in (64, 80, 96)
+    # group: blocks per max check; prefetch: groups loaded ahead (see row_stats.walk_shape)
+    dict(block=256, num_warps=1, group=g, prefetch=p, num_stages=1)
+    for g, p in ((1, 2), (2, 2), (4, 1), (4, 2))
 ] + [
-    dict(block=256, num_warps=1, prefetch=4, num_stages=1, fast_exp2=False),
-    dict(block=512, num_warps=1, prefetch=2, num_stages=1, maxnreg=96),
+    dict(block=256, num_warps=1, group=4, prefetch=2, num_stages=1, maxnreg=128),
+    dict(block=256, num_warps=1, group=4, prefetch=1, num_stages=1, key_buffer=1),
+    dict(block=128, num_warps=1, group=4, prefetch=2, num_stages=1),
 ]
 FULL_SWEEP = SWEEP + [
-    dict(block=512, num_warps=2, prefetch=0, num_stages=4), dict(block=1024, num_warps=4, prefetch=2, num_stages=1),
-    dict(block=2048, num_warps=8, prefetch=0, num_stages=3), dict(block=256, num_warps=1, prefetch=4, num_stages=1,
-                                                                  maxnreg=96),
+    dict(block=512, num_warps=2, group=1, prefetch=0, num_stages=4),
+    dict(block=1024, num_warps=4, group=1, prefetch=2, num_stages=1),
+    dict(block=256, num_warps=1, group=4, prefetch=2, num_stages=1, maxnreg=96),
 ]
 THRESHOLD_SWEEP = [  # top-k / top-p scan and search (each search variant compiles ~25 s)
-    dict(cap=256, num_warps=4, group=4), dict(cap=256, num_warps=2, group=4),
-    dict(cap=256, num_warps=4, group=4, sub=512),
+    dict(cap=256, num_warps=4, group=4), dict(cap=256, num_warps=4, group=8),
+    dict(cap=256, num_warps=2, group=4), dict(cap=128, num_warps=4, group=4),
 ]
 
 

@@ -88,10 +88,10 @@ def run_size(requests: int, vocab: int, hidden: int) -> dict:
     half = int(keep_half.sum())
     keep_all = torch.ones(rows, dtype=torch.bool, device="cuda")  # the sampler's row-gather path
 
-    def ours(logits, keep=None, num_kept=None):
+    def ours(logits, keep=None, num_kept=None, wgmma=None):
         return lambda: se.soft_embedding_rows(logits, x["row_request"], x["temperature"], x["lse"],
                                               x["embed"], x["normalizer"], keep=keep, out=x["out"],
-                                              num_kept=num_kept)
+                                              num_kept=num_kept, wgmma=wgmma)
 
     tune_start = time.perf_counter()
     for fn in (ours(x["logits"]), ours(x["logits_bf16"]), ours(x["logits"], keep_half),
@@ -107,6 +107,14 @@ def run_size(requests: int, vocab: int, hidden: int) -> dict:
     result["keep_half_ms"] = bench_ms(ours(x["logits"], keep_half))
     result["keep_half_hint_ms"] = bench_ms(ours(x["logits"], keep_half, half))
     result["keep_all_ms"] = bench_ms(ours(x["logits"], keep_all))
+    # The Triton kernel in the same run (the default on Hopper is the Gluon wgmma kernel).
+    result["uses_wgmma"] = se._wgmma_module() is not None and se._wgmma_module().supported(
+        x["logits"], x["embed"], 0, None, None)
+    ours(x["logits"], wgmma=False)()
+    triton_out = x["out"].clone()
+    result["triton_fp32_ms"] = bench_ms(ours(x["logits"], wgmma=False))
+    result["triton_bf16_ms"] = bench_ms(ours(x["logits_bf16"], wgmma=False))
+    result["triton_fp32_vs_cublas"] = result["cublas_ms"] / result["triton_fp32_ms"]
     for name in ("cublas", "fp32", "bf16"):
         result[f"{name}_tflops"] = flops / (result[f"{name}_ms"] * 1e-3) / 1e12
     for name in ("fp32", "bf16"):
@@ -131,6 +139,7 @@ def run_size(requests: int, vocab: int, hidden: int) -> dict:
     ours(x["logits"])()
     ref = torch.mm(x["probs"], x["embed"]).float() * x["normalizer"]
     result["rel_err_vs_cublas"] = ((x["out"] - ref).norm() / ref.norm()).item()
+    result["max_abs_diff_vs_triton_kernel"] = (x["out"] - triton_out).abs().max().item()
     del x
     torch.cuda.empty_cache()
     return result
@@ -274,7 +283,10 @@ def main() -> None:
         print(f"[{time.perf_counter() - start:6.1f}s] requests={requests}: cuBLAS {r['cublas_ms']:.3f} ms, "
               f"fp32 {r['fp32_ms']:.3f} ms ({r['fp32_vs_cublas']:.0%}), bf16 {r['bf16_ms']:.3f} ms "
               f"({r['bf16_vs_cublas']:.0%}), rel err vs cuBLAS {r['rel_err_vs_cublas']:.1e}, "
-              f"tuning {r['tune_s']} s", flush=True)
+              f"tuning {r['tune_s']} s; Triton kernel fp32 {r['triton_fp32_ms']:.3f} ms "
+              f"({r['triton_fp32_vs_cublas']:.0%}) bf16 {r['triton_bf16_ms']:.3f} ms, wgmma "
+              f"{r['uses_wgmma']}, max |wgmma - triton| {r['max_abs_diff_vs_triton_kernel']:.1e}",
+              flush=True)
     sweep = []
     if args.sweep:
         for requests in args.sweep_requests:

@@ -368,8 +368,11 @@ def decode_step(
         else:
             keep = (sc_keep.unsqueeze(1) & ~pinned)[request, position]
         sc_rows = sc.view(-1, sc.shape[-1])
+        # Without top-k / top-p every threshold is -inf: pass none (the Hopper kernel then
+        # skips a compare and a select per probability).
+        threshold = flat.threshold if (top_k is not None or top_p is not None) else None
         soft_fn(logits, request, temperature, flat.lse, embed_weight, normalizer, keep=keep,
-                threshold=flat.threshold, allowed=allowed, vocab_start=vocab_start,
+                threshold=threshold, allowed=allowed, vocab_start=vocab_start,
                 softcap=softcap, out=sc_rows, out_index=layout.sc_index)
         if sc_reduce is not None:
             # Partial sums of a vocabulary slice: add the other ranks' (in fp32).

@@ -27,13 +27,26 @@ block's sum NaN (``2^NaN``, or ``inf - inf``), and a sampling block whose sum is
 read again on a clean path that masks NaN, clamps +inf to FLT_MAX and flags the row, the
 reference semantics. ``-inf`` (masked) entries give ``2^-inf = 0`` and a clamped ``u``.
 
-What bounds the pass is not that arithmetic but the loads a warp keeps in flight (at ~120
-registers, 16 one-warp programs fit on an SM): the walk is unrolled and each step's buffer is
-reloaded ``prefetch`` blocks ahead, and whole blocks load unmasked from addresses known to be
-aligned, as 16-byte vectors (``_walk_load``). On an H200 that took fp32 from 2.59 to 2.45 ms
-and bf16 from 2.45 to 2.05 ms at 32 requests (``bench/results/row_stats-h200-v9.log``); bf16
-is still at half the copy bandwidth, so its per-entry work (about ten instructions, a
-cross-lane max and a branch per block) is now what limits it.
+One warp per row, and what bounds it is latency, not arithmetic (at ~128 registers, 16
+one-warp programs fit on an SM, 4 per scheduler). Three things keep each warp busy:
+
+* Groups: the new-maximum test runs once per group of ``GROUP`` blocks (4 x 256 entries)
+  instead of once per block. Its cross-lane max is a chain of five shuffles and a branch
+  that nothing else in the warp could overlap; per group it is one chain for 32 entries
+  per lane. Only a group that raises the maximum (rare once a row is under way) goes
+  block by block, so the sums are bit-identical to block-by-block processing. With
+  16-bit logits and no mask the group max is taken on the raw values, two per
+  ``max.bf16x2`` (``RAW_MAX``).
+* Deferred keys: a sampling block's end only files its (max, R) in a key buffer; the
+  logs and the keyed noise of stage a run for ``KEY_BUFFER`` (64) blocks at once, one
+  per lane, when the buffer is full or the row ends.
+* Prefetch: the walk is unrolled per group, each group's buffers reloaded right after it
+  is consumed; whole blocks load unmasked from addresses known to be aligned, as 16-byte
+  vectors (``_walk_load``).
+
+On an H200 at 32 requests (``bench/results/row_stats-h200-v11.log`` ... ``-v13.log``) groups
+took fp32 from 2.46 to 1.97 ms (4.35 TB/s, the copy bandwidth) and bf16 from 2.05 to
+about 1.45 ms.
 
 Why two stages and not one Gumbel-max over the row (this kernel's first version): the
 keyed per-token noise costs a 32-bit hash per entry, about 20 instructions even behind a
@@ -147,17 +160,46 @@ def _accumulate(z, offs, start, big_m, holds, arg, rest, a_rest, r_acc, a_acc,
         r_acc += tl.where(offs == at, 0.0, e)
         a_acc += tl.maximum(u, U_FLOOR) * e
     else:
-        if (tl.abs(big_m) < EXP_FAST_LIMIT) | (big_m == NEG_INF):
-            # One FMA per entry; exact enough for sums (not used for any comparison).
-            u = z * LOG2E - tl.where(big_m > NEG_INF, big_m * LOG2E, 0.0)
-        else:
-            # z * log2(e) would overflow near FLT_MAX.
-            u = (z - big_m) * LOG2E
-        e = exp2_ftz(u, PLAIN_EXP2)
-        r_acc += e
-        # u = -inf (masked) has e = 0: clamped, it adds 0 instead of NaN. NaN stays NaN.
-        a_acc += tl.maximum(u, U_FLOOR) * e
+        r_acc, a_acc = _add_group(z, z, z, z, big_m, r_acc, a_acc, 1, PLAIN_EXP2)
     return big_m, holds, arg, rest, a_rest, r_acc, a_acc
+
+
+@triton.jit
+def _add_weights(z, big_m, r_acc, a_acc, EXACT: tl.constexpr, PLAIN_EXP2: tl.constexpr):
+    """``R += 2^u``, ``A2 += u 2^u`` for one block whose entries are all ``<= big_m``."""
+    if EXACT:
+        # z * log2(e) would overflow near FLT_MAX.
+        u = (z - big_m) * LOG2E
+    else:
+        # One FMA per entry; exact enough for sums (not used for any comparison).
+        u = z * LOG2E - tl.where(big_m > NEG_INF, big_m * LOG2E, 0.0)
+    e = exp2_ftz(u, PLAIN_EXP2)
+    # u = -inf (masked) has e = 0: clamped, it adds 0 instead of NaN. NaN stays NaN.
+    return r_acc + e, a_acc + tl.maximum(u, U_FLOOR) * e
+
+
+@triton.jit
+def _add_blocks(z0, z1, z2, z3, big_m, r_acc, a_acc, G: tl.constexpr, EXACT: tl.constexpr,
+                PLAIN_EXP2: tl.constexpr):
+    """``_add_weights`` for the first ``G`` of four blocks, in order."""
+    r_acc, a_acc = _add_weights(z0, big_m, r_acc, a_acc, EXACT, PLAIN_EXP2)
+    if G > 1:
+        r_acc, a_acc = _add_weights(z1, big_m, r_acc, a_acc, EXACT, PLAIN_EXP2)
+    if G > 2:
+        r_acc, a_acc = _add_weights(z2, big_m, r_acc, a_acc, EXACT, PLAIN_EXP2)
+        r_acc, a_acc = _add_weights(z3, big_m, r_acc, a_acc, EXACT, PLAIN_EXP2)
+    return r_acc, a_acc
+
+
+@triton.jit
+def _add_group(z0, z1, z2, z3, big_m, r_acc, a_acc, G: tl.constexpr, PLAIN_EXP2: tl.constexpr):
+    """The weights of the first ``G`` blocks of a group behind one branch: the same sums, bit
+    for bit, as ``G`` separate blocks without a new maximum."""
+    if (tl.abs(big_m) < EXP_FAST_LIMIT) | (big_m == NEG_INF):
+        r_acc, a_acc = _add_blocks(z0, z1, z2, z3, big_m, r_acc, a_acc, G, False, PLAIN_EXP2)
+    else:
+        r_acc, a_acc = _add_blocks(z0, z1, z2, z3, big_m, r_acc, a_acc, G, True, PLAIN_EXP2)
+    return r_acc, a_acc
 
 
 @triton.jit
@@ -174,6 +216,46 @@ def _filter_gap(top, best):
     """``top - best`` plus a relative slack far above the rounding of exp2, the product and the
     two logs of the exact noise: the hash filters compare a uniform against exp(gap)."""
     return (top - best) + (1e-3 + 1e-6 * (tl.abs(top) + tl.abs(best)))
+
+
+@triton.jit
+def _max16(a, b):
+    """Elementwise max of two 16-bit tensors, one ``max.bf16x2`` / ``max.f16x2`` per two
+    entries (Triton's own maximum would widen to fp32); NaN loses, as in ``tl.max``."""
+    if a.dtype == tl.bfloat16:
+        return tl.inline_asm_elementwise("max.bf16x2 $0, $1, $2;", "=r,r,r", [a, b],
+                                         dtype=tl.bfloat16, is_pure=True, pack=2)
+    else:
+        return tl.inline_asm_elementwise("max.f16x2 $0, $1, $2;", "=r,r,r", [a, b],
+                                         dtype=tl.float16, is_pure=True, pack=2)
+
+
+@triton.jit
+def _empty_keys(KEY_BUFFER: tl.constexpr):
+    """An empty key buffer: per buffered sampling block its max, R and whether it holds the
+    arg-max entry (whose 1 is not in R); a slot never filled has m = -inf."""
+    return (tl.full([KEY_BUFFER], NEG_INF, tl.float32), tl.zeros([KEY_BUFFER], tl.float32),
+            tl.zeros([KEY_BUFFER], tl.float32))
+
+
+@triton.jit
+def _flush_keys(key_m, key_r, key_h, first_slot, first_block, lead, block_key, best, best_start,
+                SAMPLE_BLOCK: tl.constexpr, KEY_BUFFER: tl.constexpr):
+    """Stage a for ``KEY_BUFFER`` sampling blocks at once: key ``lse_b + G_b`` of the blocks
+    at walk slots ``first_slot + j`` (lse_b = -inf where nothing is kept or the slot is past
+    the row), one per lane instead of one at a time on the walk's critical path. The best
+    key wins, the lowest slot on ties, earlier flushes on ties with later ones: the same
+    winner as comparing the keys one by one."""
+    j = tl.arange(0, KEY_BUFFER)
+    lse_b = tl.where(key_h > 0, key_m + log1p(key_r), key_m + tl.log(key_r))
+    kept = (key_r + key_h > 0) & (key_m > NEG_INF)
+    bits = kn.token_bits(block_key, first_block + first_slot + j)
+    keys = tl.where(kept, lse_b + kn.gumbel(bits), NEG_INF)
+    top = tl.max(keys, 0)
+    if top > best:
+        best = top
+        best_start = (first_slot + tl.min(tl.where(keys == top, j, NO_INDEX), 0)) * SAMPLE_BLOCK - lead
+    return best, best_start
 
 
 @triton.jit
@@ -200,25 +282,105 @@ def _walk_load(row_ptr, walk, offs, lead, n_walk, BLOCK: tl.constexpr, ALIGNED: 
 
 
 @triton.jit
-def _walk_block(x_raw, walk, offs, lead, n_walk, n_cols, row_ptr, allowed_row, block_key,
-                first_block, vocab, inv_t, threshold, sampling,
-                m, arg, r_row, a_row, has_nan, best, best_start,
+def _load_group(row_ptr, walk, offs, lead, n_walk, G: tl.constexpr, BLOCK: tl.constexpr,
+                ALIGNED: tl.constexpr):
+    """The ``G`` blocks of a group (``G`` of 1, 2, 4) starting at walk position ``walk``;
+    the unused buffers repeat the first one (no load, no register)."""
+    x0 = _walk_load(row_ptr, walk, offs, lead, n_walk, BLOCK, ALIGNED)
+    x1 = x0
+    x2 = x0
+    x3 = x0
+    if G > 1:
+        x1 = _walk_load(row_ptr, walk + BLOCK, offs, lead, n_walk, BLOCK, ALIGNED)
+    if G > 2:
+        x2 = _walk_load(row_ptr, walk + 2 * BLOCK, offs, lead, n_walk, BLOCK, ALIGNED)
+        x3 = _walk_load(row_ptr, walk + 3 * BLOCK, offs, lead, n_walk, BLOCK, ALIGNED)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _group_z(xg0, xg1, xg2, xg3, offs, start, vocab, inv_t, threshold, allowed_row,
+             SOFTCAP: tl.constexpr, HAS_THRESHOLD: tl.constexpr, HAS_ALLOWED: tl.constexpr,
+             G: tl.constexpr, BLOCK: tl.constexpr):
+    """``_block_z`` of the ``G`` blocks of a group starting at column ``start``."""
+    zg0 = _block_z(xg0.to(tl.float32), offs, start, vocab, inv_t, threshold, allowed_row,
+                   SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, False)
+    zg1 = zg0
+    zg2 = zg0
+    zg3 = zg0
+    if G > 1:
+        zg1 = _block_z(xg1.to(tl.float32), offs, start + BLOCK, vocab, inv_t, threshold,
+                       allowed_row, SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, False)
+    if G > 2:
+        zg2 = _block_z(xg2.to(tl.float32), offs, start + 2 * BLOCK, vocab, inv_t, threshold,
+                       allowed_row, SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, False)
+        zg3 = _block_z(xg3.to(tl.float32), offs, start + 3 * BLOCK, vocab, inv_t, threshold,
+                       allowed_row, SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, False)
+    return zg0, zg1, zg2, zg3
+
+
+@triton.jit
+def _walk_group(xg0, xg1, xg2, xg3, walk, offs, lead, n_walk, n_cols, row_ptr, allowed_row,
+                block_key, first_block, vocab, inv_t, threshold, sampling,
+                m, arg, r_row, a_row, has_nan, best, best_start, key_m, key_r, key_h,
                 big_m, holds, arg_b, rest, a_rest, r_acc, a_acc,
                 SOFTCAP: tl.constexpr, HAS_THRESHOLD: tl.constexpr, HAS_ALLOWED: tl.constexpr,
-                SAMPLE_BLOCK: tl.constexpr, BLOCK: tl.constexpr, PLAIN_EXP2: tl.constexpr):
-    """One vocabulary block of the walk: accumulate it; where it ends a sampling block, merge
-    that block into the row and let its key compete (stage a). Returns the updated state:
-    the row's (m, arg, r_row, a_row, has_nan, best, best_start) and the sampling block's."""
-    start = walk - lead  # column of the block's first entry
-    z = _block_z(x_raw.to(tl.float32), offs, start, vocab, inv_t, threshold, allowed_row,
-                 SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, False)
-    big_m, holds, arg_b, rest, a_rest, r_acc, a_acc = _accumulate(
-        z, offs, start, big_m, holds, arg_b, rest, a_rest, r_acc, a_acc, PLAIN_EXP2)
+                SAMPLE_BLOCK: tl.constexpr, BLOCK: tl.constexpr, G: tl.constexpr,
+                KEY_BUFFER: tl.constexpr, RAW_MAX: tl.constexpr, PLAIN_EXP2: tl.constexpr):
+    """One group of ``G`` vocabulary blocks of the walk: accumulate them; where the group
+    ends a sampling block, merge that block into the row and let its key compete (stage a).
+    Returns the updated state: the row's (m, arg, r_row, a_row, has_nan, best, best_start,
+    key_m, key_r, key_h: the key buffer) and the sampling block's.
 
-    end = walk + BLOCK
+    The group's maximum is one lane-wise max and one cross-lane reduction; only when it
+    beats the running maximum (rare once a row is under way) do the blocks go one by one
+    through ``_accumulate``. Otherwise every block adds its weights relative to the same
+    maximum, in order, exactly as ``G`` separate blocks would: the group size changes no bit.
+    What it saves is ``G - 1`` cross-lane reductions and branches per group, a chain of
+    shuffles each that one warp could not overlap with anything.
+    """
+    start = walk - lead  # column of the group's first entry
+    zargs = (xg0, xg1, xg2, xg3, offs, start, vocab, inv_t, threshold, allowed_row)
+    group_max = NEG_INF
+    if G > 1:
+        if RAW_MAX:
+            # 16-bit logits, nothing masked: z = x * inv_t is monotone in x, so the group's
+            # max z is max(x) * inv_t, and max(x) takes one max.bf16x2 per two entries on the
+            # raw registers (z is then only formed where it is used).
+            x_max = _max16(xg0, xg1)
+            if G > 2:
+                x_max = _max16(x_max, _max16(xg2, xg3))
+            group_max = tl.max(x_max.to(tl.float32), 0) * inv_t
+        else:
+            zg0, zg1, zg2, zg3 = _group_z(*zargs, SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, G, BLOCK)
+            lane_max = tl.maximum(zg0, zg1)
+            if G > 2:
+                lane_max = tl.maximum(lane_max, tl.maximum(zg2, zg3))
+            group_max = tl.max(lane_max, 0)
+    # (z again: computed once, before the branch, unless RAW_MAX left it to the branches)
+    zg0, zg1, zg2, zg3 = _group_z(*zargs, SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, G, BLOCK)
+    if G == 1:
+        big_m, holds, arg_b, rest, a_rest, r_acc, a_acc = _accumulate(
+            zg0, offs, start, big_m, holds, arg_b, rest, a_rest, r_acc, a_acc, PLAIN_EXP2)
+    elif group_max > big_m:
+        big_m, holds, arg_b, rest, a_rest, r_acc, a_acc = _accumulate(
+            zg0, offs, start, big_m, holds, arg_b, rest, a_rest, r_acc, a_acc, PLAIN_EXP2)
+        big_m, holds, arg_b, rest, a_rest, r_acc, a_acc = _accumulate(
+            zg1, offs, start + BLOCK, big_m, holds, arg_b, rest, a_rest, r_acc, a_acc, PLAIN_EXP2)
+        if G > 2:
+            big_m, holds, arg_b, rest, a_rest, r_acc, a_acc = _accumulate(
+                zg2, offs, start + 2 * BLOCK, big_m, holds, arg_b, rest, a_rest, r_acc, a_acc,
+                PLAIN_EXP2)
+            big_m, holds, arg_b, rest, a_rest, r_acc, a_acc = _accumulate(
+                zg3, offs, start + 3 * BLOCK, big_m, holds, arg_b, rest, a_rest, r_acc, a_acc,
+                PLAIN_EXP2)
+    else:
+        r_acc, a_acc = _add_group(zg0, zg1, zg2, zg3, big_m, r_acc, a_acc, G, PLAIN_EXP2)
+
+    end = walk + G * BLOCK
     if ((end % SAMPLE_BLOCK) == 0) | (end >= n_walk):
         # The sampling block [b0, b0 + SAMPLE_BLOCK) (columns) is complete.
-        b_walk = walk - walk % SAMPLE_BLOCK  # BLOCK divides SAMPLE_BLOCK
+        b_walk = walk - walk % SAMPLE_BLOCK  # G * BLOCK divides SAMPLE_BLOCK
         b0 = b_walk - lead
         r_b = tl.sum(r_acc, 0) + rest
         a_b = tl.sum(a_acc, 0) + a_rest
@@ -253,24 +415,22 @@ def _walk_block(x_raw, walk, offs, lead, n_walk, n_cols, row_ptr, allowed_row, b
             a_row += a_b
             r_row += r_b
         if sampling:
-            # Stage a: the block's key lse_b + G_b (lse_b = -inf when nothing is kept).
-            # G_b <= -log w (w the hash's uniform), so the logs are needed only if
-            # w <= exp(lse_b - best).
-            lse_b = tl.where(holds > 0, big_m + log1p(r_b), big_m + tl.log(r_b))
-            if (r_b + holds > 0) & (big_m > NEG_INF):
-                if lse_b + GUMBEL_MAX >= best:
-                    index = first_block + b_walk // SAMPLE_BLOCK
-                    bits = kn.token_bits(block_key, index)
-                    gap = _filter_gap(lse_b, best)
-                    w = (bits.to(tl.float32) + 0.5) * (1.0 / TWO_POW_32)
-                    if (gap > FILTER_MAX_GAP) | (w <= tl.exp2(gap * LOG2E)):
-                        key = lse_b + kn.gumbel(bits)
-                        if key > best:
-                            best = key
-                            best_start = b0
+            # Stage a: the block's key lse_b + G_b. Its sums wait in the key buffer (logs and
+            # noise off the walk's critical path), flushed when it is full or the row ends.
+            slot = b_walk // SAMPLE_BLOCK
+            buffered = slot % KEY_BUFFER
+            here = tl.arange(0, KEY_BUFFER) == buffered
+            key_m = tl.where(here, big_m, key_m)
+            key_r = tl.where(here, r_b, key_r)
+            key_h = tl.where(here, holds, key_h)
+            if (buffered == KEY_BUFFER - 1) | (end >= n_walk):
+                best, best_start = _flush_keys(key_m, key_r, key_h, slot - buffered, first_block,
+                                               lead, block_key, best, best_start, SAMPLE_BLOCK,
+                                               KEY_BUFFER)
+                key_m, key_r, key_h = _empty_keys(KEY_BUFFER)
         big_m, holds, arg_b, rest, a_rest, r_acc, a_acc = _sampling_block_start(m, BLOCK)
 
-    return (m, arg, r_row, a_row, has_nan, best, best_start,
+    return (m, arg, r_row, a_row, has_nan, best, best_start, key_m, key_r, key_h,
             big_m, holds, arg_b, rest, a_rest, r_acc, a_acc)
 
 
@@ -294,7 +454,9 @@ def _row_stats_kernel(
     NOISE_FILTER: tl.constexpr,  # the hash filter of stage b (False only to measure it)
     SAMPLE_BLOCK: tl.constexpr,  # positions per sampling block (a multiple of BLOCK)
     BLOCK: tl.constexpr,
-    PREFETCH: tl.constexpr,      # blocks loaded ahead into registers (0: none)
+    GROUP: tl.constexpr,         # blocks per max check (1, 2 or 4)
+    KEY_BUFFER: tl.constexpr,    # sampling-block keys drawn together (a power of two)
+    PREFETCH: tl.constexpr,      # blocks loaded ahead into registers: 0, GROUP or 2 GROUP
     NUM_STAGES: tl.constexpr,    # Triton's own load pipelining (cp.async) when > 1
     ALIGNED: tl.constexpr,       # vocab_offset % SAMPLE_BLOCK == 0 (no lead)
     PLAIN_EXP2: tl.constexpr,    # tl.exp2 in the hot loop, not ex2.approx.ftz (interpreter)
@@ -334,65 +496,49 @@ def _row_stats_kernel(
     has_nan = tl.full((), 0, tl.int32)
     best = tl.full((), NEG_INF, tl.float32)    # best sampling-block key so far
     best_start = tl.full((), 0, tl.int32)      # its first column
+    key_m, key_r, key_h = _empty_keys(KEY_BUFFER)  # sampling blocks awaiting their noise
     # The current sampling block: sums relative to big_m (see _accumulate), per lane.
     big_m, holds, arg_b, rest, a_rest, r_acc, a_acc = _sampling_block_start(m, BLOCK)
 
     n_walk = tl.where(todo, lead + vocab, 0)  # positions walked, from the boundary
-    # Register prefetch, PREFETCH blocks deep: the walk is unrolled PREFETCH times and each
-    # unrolled step owns one buffer, reloaded (PREFETCH blocks ahead) right after its block is
-    # consumed, so no register copy ever waits on a load in flight. One warp per row keeps
-    # about PREFETCH loads in flight; the pass is bound by that latency, not by arithmetic.
-    STEP: tl.constexpr = BLOCK * (PREFETCH + (PREFETCH == 0))  # walk positions per iteration
+    RAW_MAX: tl.constexpr = ((logits_ptr.dtype.element_ty != tl.float32) & (SOFTCAP == 0)
+                             & (not HAS_THRESHOLD) & (not HAS_ALLOWED) & (not PLAIN_EXP2))
+    # The walk goes by groups of GROUP blocks (one max check each, see _walk_group). Register
+    # prefetch: PREFETCH blocks (0, one group or two) are loaded ahead. With two groups the
+    # walk is unrolled twice and each group owns its buffers, reloaded right after it is
+    # consumed, so no register copy waits on a load in flight and one warp keeps between
+    # one and two groups of loads in flight: the pass is bound by that latency.
+    SPAN: tl.constexpr = GROUP * BLOCK
+    STEP: tl.constexpr = SPAN * (1 + (PREFETCH > GROUP))  # walk positions per iteration
     if PREFETCH > 0:
-        x_a = _walk_load(row_ptr, 0, offs, lead, n_walk, BLOCK, ALIGNED)
-    if PREFETCH > 1:
-        x_b = _walk_load(row_ptr, BLOCK, offs, lead, n_walk, BLOCK, ALIGNED)
-    if PREFETCH > 2:
-        x_c = _walk_load(row_ptr, 2 * BLOCK, offs, lead, n_walk, BLOCK, ALIGNED)
-    if PREFETCH > 3:
-        x_d = _walk_load(row_ptr, 3 * BLOCK, offs, lead, n_walk, BLOCK, ALIGNED)
+        a0, a1, a2, a3 = _load_group(row_ptr, 0, offs, lead, n_walk, GROUP, BLOCK, ALIGNED)
+    if PREFETCH > GROUP:
+        b0, b1, b2, b3 = _load_group(row_ptr, SPAN, offs, lead, n_walk, GROUP, BLOCK, ALIGNED)
     for walk in tl.range(0, n_walk, STEP, num_stages=NUM_STAGES):
         if PREFETCH == 0:
-            x_a = _walk_load(row_ptr, walk, offs, lead, n_walk, BLOCK, ALIGNED)
-        (m, arg, r_row, a_row, has_nan, best, best_start,
-         big_m, holds, arg_b, rest, a_rest, r_acc, a_acc) = _walk_block(
-            x_a, walk, offs, lead, n_walk, n_cols, row_ptr, allowed_row, block_key, first_block,
-            vocab, inv_t, threshold, sampling,
-            m, arg, r_row, a_row, has_nan, best, best_start,
+            a0, a1, a2, a3 = _load_group(row_ptr, walk, offs, lead, n_walk, GROUP, BLOCK, ALIGNED)
+        (m, arg, r_row, a_row, has_nan, best, best_start, key_m, key_r, key_h,
+         big_m, holds, arg_b, rest, a_rest, r_acc, a_acc) = _walk_group(
+            a0, a1, a2, a3, walk, offs, lead, n_walk, n_cols, row_ptr, allowed_row, block_key,
+            first_block, vocab, inv_t, threshold, sampling,
+            m, arg, r_row, a_row, has_nan, best, best_start, key_m, key_r, key_h,
             big_m, holds, arg_b, rest, a_rest, r_acc, a_acc,
-            SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, SAMPLE_BLOCK, BLOCK, PLAIN_EXP2)
+            SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, SAMPLE_BLOCK, BLOCK, GROUP, KEY_BUFFER, RAW_MAX, PLAIN_EXP2)
         if PREFETCH > 0:
-            x_a = _walk_load(row_ptr, walk + STEP, offs, lead, n_walk, BLOCK, ALIGNED)
-        if PREFETCH > 1:
-            if walk + BLOCK < n_walk:
-                (m, arg, r_row, a_row, has_nan, best, best_start,
-                 big_m, holds, arg_b, rest, a_rest, r_acc, a_acc) = _walk_block(
-                    x_b, walk + BLOCK, offs, lead, n_walk, n_cols, row_ptr, allowed_row,
-                    block_key, first_block, vocab, inv_t, threshold, sampling,
-                    m, arg, r_row, a_row, has_nan, best, best_start,
+            a0, a1, a2, a3 = _load_group(row_ptr, walk + STEP, offs, lead, n_walk, GROUP, BLOCK,
+                                         ALIGNED)
+        if PREFETCH > GROUP:
+            if walk + SPAN < n_walk:
+                (m, arg, r_row, a_row, has_nan, best, best_start, key_m, key_r, key_h,
+                 big_m, holds, arg_b, rest, a_rest, r_acc, a_acc) = _walk_group(
+                    b0, b1, b2, b3, walk + SPAN, offs, lead, n_walk, n_cols, row_ptr,
+                    allowed_row, block_key, first_block, vocab, inv_t, threshold, sampling,
+                    m, arg, r_row, a_row, has_nan, best, best_start, key_m, key_r, key_h,
                     big_m, holds, arg_b, rest, a_rest, r_acc, a_acc,
-                    SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, SAMPLE_BLOCK, BLOCK, PLAIN_EXP2)
-            x_b = _walk_load(row_ptr, walk + STEP + BLOCK, offs, lead, n_walk, BLOCK, ALIGNED)
-        if PREFETCH > 2:
-            if walk + 2 * BLOCK < n_walk:
-                (m, arg, r_row, a_row, has_nan, best, best_start,
-                 big_m, holds, arg_b, rest, a_rest, r_acc, a_acc) = _walk_block(
-                    x_c, walk + 2 * BLOCK, offs, lead, n_walk, n_cols, row_ptr, allowed_row,
-                    block_key, first_block, vocab, inv_t, threshold, sampling,
-                    m, arg, r_row, a_row, has_nan, best, best_start,
-                    big_m, holds, arg_b, rest, a_rest, r_acc, a_acc,
-                    SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, SAMPLE_BLOCK, BLOCK, PLAIN_EXP2)
-            x_c = _walk_load(row_ptr, walk + STEP + 2 * BLOCK, offs, lead, n_walk, BLOCK, ALIGNED)
-        if PREFETCH > 3:
-            if walk + 3 * BLOCK < n_walk:
-                (m, arg, r_row, a_row, has_nan, best, best_start,
-                 big_m, holds, arg_b, rest, a_rest, r_acc, a_acc) = _walk_block(
-                    x_d, walk + 3 * BLOCK, offs, lead, n_walk, n_cols, row_ptr, allowed_row,
-                    block_key, first_block, vocab, inv_t, threshold, sampling,
-                    m, arg, r_row, a_row, has_nan, best, best_start,
-                    big_m, holds, arg_b, rest, a_rest, r_acc, a_acc,
-                    SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, SAMPLE_BLOCK, BLOCK, PLAIN_EXP2)
-            x_d = _walk_load(row_ptr, walk + STEP + 3 * BLOCK, offs, lead, n_walk, BLOCK, ALIGNED)
+                    SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, SAMPLE_BLOCK, BLOCK, GROUP, KEY_BUFFER,
+                    RAW_MAX, PLAIN_EXP2)
+            b0, b1, b2, b3 = _load_group(row_ptr, walk + STEP + SPAN, offs, lead, n_walk, GROUP,
+                                         BLOCK, ALIGNED)
 
     entropy, lse = finish_stats(m, r_row, a_row)
     chosen = arg
@@ -496,17 +642,34 @@ def default_config(logits: torch.Tensor) -> dict:
     A ``"threshold"`` entry (a dict of ``topk_topp.threshold_rows`` keywords) tunes the top-k /
     top-p search; the CPU tests use it to shrink the candidate buffer.
     """
-    # Measured on an H200 at 32 requests (bench/results/row_stats-h200-v4.log, -v9.log): small
-    # programs win: one warp per row, 256-entry blocks. The pass is bound by the latency of
-    # the loads a warp keeps in flight, so the register prefetch runs several blocks ahead:
-    # 2 for fp32 (3.51 TB/s; deeper costs registers, hence programs per SM), 4 for 16-bit
-    # logits (half the bytes per block). A register cap (maxnreg) spills and loses. The
-    # choice must not depend on the number of rows: the block size sets the summation order
-    # of lse and entropy, and a request's bits may not depend on how the dispatcher tiled the
-    # batch (bench/results/gpu-tests-h200-v3.log caught exactly that). The prefetch depth
-    # changes no bit (tests/test_row_stats_kernel.py::test_prefetch_depth_changes_no_bit).
-    prefetch = 2 if logits.dtype == torch.float32 else 4
-    return dict(block=256, num_warps=1, prefetch=prefetch, num_stages=1, maxnreg=None, fast_exp2=True)
+    # Measured on an H200 at 32 requests (bench/results/row_stats-h200-v4.log ... -v13.log):
+    # small programs win: one warp per row, 256-entry blocks, the new-maximum test once per
+    # group of 4 blocks (fp32 2.43 -> 1.97 ms, bf16 2.24 -> 1.45 ms against one per block).
+    # Loads run one group ahead: two groups cost registers (bf16: 166 instead of 128 under
+    # Triton 3.6, 12 programs per SM instead of 16; row_stats-h200-v13.log) and lose. A
+    # register cap (maxnreg) spills or loses. The choice must not depend on the
+    # number of rows: the block size sets the summation order of lse and entropy, and a
+    # request's bits may not depend on how the dispatcher tiled the batch
+    # (bench/results/gpu-tests-h200-v3.log caught exactly that). Group, prefetch depth and
+    # key buffer change no bit (tests/test_row_stats_kernel.py::test_walk_shape_changes_no_bit).
+    return dict(block=256, num_warps=1, group=4, prefetch=1, num_stages=1, maxnreg=None,
+                fast_exp2=True, key_buffer=64)
+
+
+def walk_shape(cfg: dict, block: int, sample_block: int) -> tuple[int, int]:
+    """(GROUP, PREFETCH in blocks) of a launch config: ``group`` blocks per max check (1, 2
+    or 4; halved until a group fits a sampling block) and ``prefetch`` groups loaded ahead
+    (0, 1 or 2; True means 2)."""
+    group = cfg.get("group", 1)
+    if group not in (1, 2, 4):
+        raise ValueError(f"row_stats config: group must be 1, 2 or 4 blocks, got {group!r}")
+    while group > 1 and sample_block % (group * block):
+        group //= 2
+    ahead = cfg.get("prefetch", 0)
+    ahead = 2 if ahead is True else int(ahead)
+    if ahead not in (0, 1, 2):
+        raise ValueError(f"row_stats config: prefetch must be 0, 1 or 2 groups, got {cfg['prefetch']!r}")
+    return group, ahead * group
 
 
 def row_stats_rows(
@@ -570,6 +733,7 @@ def row_stats_rows(
         )
     cfg = {**default_config(logits), **{k: v for k, v in (config or {}).items() if k != "threshold"}}
     block = min(cfg["block"], sample_block, max(16, triton.next_power_of_2(vocab)))
+    group, prefetch = walk_shape(cfg, block, sample_block)
     _row_stats_kernel[(n_rows,)](
         logits, logits.stride(0),
         row_request, row_position,
@@ -588,7 +752,10 @@ def row_stats_rows(
         NOISE_FILTER=noise_filter,
         SAMPLE_BLOCK=sample_block,
         BLOCK=block,
-        PREFETCH=int(cfg["prefetch"]),
+        GROUP=group,
+        KEY_BUFFER=min(int(cfg["key_buffer"]), triton.next_power_of_2(
+            triton.cdiv(vocab_offset % sample_block + vocab, sample_block))),
+        PREFETCH=prefetch,
         NUM_STAGES=cfg["num_stages"],
         ALIGNED=vocab_offset % sample_block == 0,
         PLAIN_EXP2=not cfg["fast_exp2"] or interpreting(),

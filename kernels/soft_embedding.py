@@ -62,6 +62,11 @@ helper every row kernel shares. The one-FFMA prologue (``TileConfig.one_fma``) s
 only in tiles where that moves p by < 2e-4 relative (``|lse| log2(e) < 1024``); greedy and other
 steep tiles run the exact loop, so a greedy row still gives exactly ``E[argmax]``.
 
+On Hopper the common case (no ``allowed`` mask, no softcap, TMA-addressable logits, a 16-bit E)
+runs ``soft_embedding_wgmma.py`` instead: the same math and schedule in Gluon, which keeps the
+prologue off the layout round trip that Triton inserts here (see that file). This kernel is the
+one for everything else, and the only one the interpreter can run.
+
 Rows with ``keep`` False: the kept rows are compacted to the front of a row order on the device
 (a stable argsort, no host sync) and their count stays on the device. M-tiles past the count skip
 the K loop and store zeros; within the last live M-tile, dropped rows are masked. Pass ``num_kept``
@@ -658,6 +663,51 @@ def tuning_key(planned_rows: int, hidden: int, v_local: int, logits_dtype, embed
     return (rows_bucket, hidden, v_bucket, logits_dtype, embed_dtype) + masks
 
 
+def _wgmma_module():
+    """``soft_embedding_wgmma`` where this Triton has the Gluon API it uses, else None."""
+    global _WGMMA
+    if _WGMMA is False:
+        try:
+            from . import soft_embedding_wgmma
+            _WGMMA = soft_embedding_wgmma
+        except (ImportError, AttributeError):
+            _WGMMA = None
+    return _WGMMA
+
+
+_WGMMA = False  # not looked up yet
+
+
+def _launch_wgmma(module, logits, row_request, inv_t, lse, embed_weight, norm_tensor, norm_value,
+                  out, keep, threshold, out_index, vocab_start, sms):
+    """The Gluon kernel on the same schedule as the Triton one (whole tiles in waves, a split-K
+    tail) and the same split-K merge. Dropped rows are masked, not compacted: all rows plan."""
+    n_rows = logits.shape[0]
+    v_local, hidden = embed_weight.shape
+    cfg = TileConfig(module.BLOCK_M, module.BLOCK_N, module.BLOCK_K, module.NUM_WARPS,
+                     module.stages_for(logits.dtype, embed_weight.dtype))
+    plan = plan_split(n_rows, n_rows, hidden, v_local, cfg, sms)
+    placeholder = inv_t
+    scratch = (torch.empty(plan.scratch_elems, dtype=torch.float32, device=logits.device)
+               if plan.scratch_elems else placeholder)
+    global _last_kernel
+    _last_kernel = module.launch(logits, row_request, inv_t, lse, embed_weight, norm_tensor,
+                                 norm_value, out, keep=keep, threshold=threshold,
+                                 out_index=out_index, vocab_start=vocab_start, plan=plan,
+                                 scratch=scratch, placeholder=placeholder)
+    if plan.tail_tiles:
+        sub_m = min(cfg.block_m, 8192 // cfg.block_n)
+        split_sum_kernel[(plan.tail_tiles, cfg.block_m // sub_m)](
+            out, placeholder if out_index is None else out_index, scratch, placeholder, placeholder,
+            placeholder if norm_tensor is None else norm_tensor,
+            n_rows, hidden, out.stride(0), norm_value,
+            plan.n_tiles_n, plan.dp_head, plan.tail_tiles, plan.split,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SUB_M=sub_m, num_warps=4,
+            HAS_OUT_INDEX=out_index is not None, HAS_KEEP=False,
+            NORM_IS_TENSOR=norm_tensor is not None,
+        )
+
+
 # ---------------------------------------------------------------------------------------------
 # Launch wrapper
 # ---------------------------------------------------------------------------------------------
@@ -730,6 +780,7 @@ def soft_embedding_rows(
     num_kept: int | None = None,
     config: TileConfig | None = None,
     num_sms: int | None = None,
+    wgmma: bool | None = None,
 ) -> torch.Tensor:
     """Triton twin of ``reference.soft_embedding_rows`` (same arguments, same result).
 
@@ -744,6 +795,8 @@ def soft_embedding_rows(
     ``chunk_rows`` is accepted for signature parity and ignored (the kernel tiles rows itself).
     ``num_kept``: optional host-side count of True in ``keep``; it only sizes the schedule (a wrong
     count is still correct, just slower). ``config`` / ``num_sms`` override tuning (tests, bench).
+    ``wgmma``: the Gluon kernel of ``soft_embedding_wgmma.py`` (Hopper, the common case; None:
+    where it applies and ``DGEMMA_SOFT_EMBEDDING_WGMMA`` is not 0 and no ``config`` is given).
     """
     del chunk_rows
     _check_inputs(logits, row_request, temperature, lse, embed_weight, normalizer, keep, threshold,
@@ -766,6 +819,24 @@ def soft_embedding_rows(
         return out
 
     inv_t = reference.inverse_temperature(temperature)
+    norm_is_tensor = isinstance(normalizer, torch.Tensor)
+    norm_tensor = normalizer.reshape(1).to(dev) if norm_is_tensor else None
+    norm_value = 1.0 if norm_is_tensor else float(normalizer)
+    sms = num_sms if num_sms is not None else _num_sms(dev)
+    if wgmma is None:
+        module = _wgmma_module() if dev.type == "cuda" else None
+        wgmma = (config is None and os.environ.get("DGEMMA_SOFT_EMBEDDING_WGMMA", "1") != "0"
+                 and module is not None
+                 and module.supported(logits, embed_weight, vocab_start, allowed, softcap))
+    if wgmma:
+        module = _wgmma_module()
+        if module is None or not module.supported(logits, embed_weight, vocab_start, allowed, softcap):
+            raise ValueError("the wgmma soft embedding does not support this call (see "
+                             "soft_embedding_wgmma.supported)")
+        _launch_wgmma(module, logits, row_request, inv_t, lse, embed_weight, norm_tensor, norm_value,
+                      out, keep, threshold, out_index, vocab_start, sms)
+        return out
+
     if keep is not None:
         # Kept rows first, in row order; the count stays on the device (no sync).
         row_order = torch.argsort(keep.logical_not().to(torch.uint8), stable=True)
@@ -774,10 +845,6 @@ def soft_embedding_rows(
     else:
         row_order = kept_count = None
         planned_rows = n_rows
-    norm_is_tensor = isinstance(normalizer, torch.Tensor)
-    norm_tensor = normalizer.reshape(1).to(dev) if norm_is_tensor else None
-    norm_value = 1.0 if norm_is_tensor else float(normalizer)
-    sms = num_sms if num_sms is not None else _num_sms(dev)
     interpret = interpreting()
     dot_precision = "tf32" if embed_weight.dtype == torch.float32 else "ieee"
     placeholder = inv_t  # any tensor on the device stands in for an absent optional pointer

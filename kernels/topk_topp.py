@@ -91,8 +91,8 @@ def _load_valid(row_ptr, allowed_row, idx, wanted, vocab, SOFTCAP: tl.constexpr,
 def _sub_block_tile(subs_ptr, j0, q, SUB: tl.constexpr, GROUP: tl.constexpr):
     """Entry ids (and which are wanted) of the qualifying sub-blocks j0 .. j0 + GROUP - 1.
 
-    ``subs_ptr`` lists the sub-blocks by decreasing maximum, so the ``q`` sub-blocks whose
-    maximum reaches a bound are its first ``q``: later passes read those and nothing else.
+    ``subs_ptr`` holds the ``q`` sub-blocks whose maximum reaches the current bound (listed by
+    ``_reaching``): the passes read those and nothing else.
     """
     j = j0 + tl.arange(0, GROUP)
     sub_id = tl.load(subs_ptr + j, mask=j < q, other=0)
@@ -117,13 +117,20 @@ def _collect(row_ptr, allowed_row, subs_ptr, q, cand_ptr, vocab, lo, hi,
     """
     count = tl.full((), 0, tl.int32)
     tl.debug_barrier()  # the candidate buffer may still be read by other threads
+    # The next tile is loaded before this one is processed: the sub-blocks are scattered over
+    # the row and usually come from HBM, and one program per SM-quarter cannot hide that
+    # latency by itself.
+    idx, wanted = _sub_block_tile(subs_ptr, 0, q, SUB, GROUP)
+    x, valid = _load_valid(row_ptr, allowed_row, idx, wanted, vocab, SOFTCAP, HAS_ALLOWED)
     for j0 in range(0, q, GROUP):
-        idx, wanted = _sub_block_tile(subs_ptr, j0, q, SUB, GROUP)
-        x, valid = _load_valid(row_ptr, allowed_row, idx, wanted, vocab, SOFTCAP, HAS_ALLOWED)
+        idx_next, wanted_next = _sub_block_tile(subs_ptr, j0 + GROUP, q, SUB, GROUP)
+        x_next, valid_next = _load_valid(row_ptr, allowed_row, idx_next, wanted_next, vocab,
+                                         SOFTCAP, HAS_ALLOWED)
         flag = _in_bracket(x, valid, lo, hi).to(tl.int32)
         pos = count + tl.cumsum(flag, 0) - flag
         tl.store(cand_ptr + pos, pack_value_id(x, idx), mask=(flag != 0) & (pos < CAP))
         count += tl.sum(flag, 0)
+        idx, x, valid = idx_next, x_next, valid_next
     return count
 
 
@@ -165,7 +172,7 @@ def _pivot_pass(row_ptr, allowed_row, subs_ptr, q, vocab, lo, hi, piv, m1,
 
 
 @triton.jit
-def _bracket_search(row_ptr, allowed_row, subs_ptr, table, cand_ptr, vocab,
+def _bracket_search(row_ptr, allowed_row, subs_ptr, maxima, cand_ptr, vocab,
                     lo, n, target, m1, top, is_mass,
                     SOFTCAP: tl.constexpr, HAS_ALLOWED: tl.constexpr,
                     SUB: tl.constexpr, GROUP: tl.constexpr,
@@ -185,7 +192,7 @@ def _bracket_search(row_ptr, allowed_row, subs_ptr, table, cand_ptr, vocab,
     while (n > CAP) & (rounds < MAX_ROUNDS) & (lo < top):
         hi_eff = tl.minimum(hi, top)
         piv = _pivots(lo, hi_eff, hi == POS_INF, PIVOTS)
-        cnt, mass = _pivot_pass(row_ptr, allowed_row, subs_ptr, _reaching(table, lo), vocab, lo,
+        cnt, mass = _pivot_pass(row_ptr, allowed_row, subs_ptr, _reaching(maxima, lo, subs_ptr), vocab, lo,
                                 hi, piv, m1, SOFTCAP, HAS_ALLOWED, SUB, PIVOTS)
         reached = tl.where(is_mass, w_hi + mass.to(tl.float64), (c_hi + cnt).to(tl.float64))
         ok = reached >= target
@@ -209,7 +216,7 @@ def _bracket_search(row_ptr, allowed_row, subs_ptr, table, cand_ptr, vocab,
         # one float left in [lo, hi): only ties at lo remain
         single_value = ordered_key(tl.minimum(hi, FLT_MAX)) - ordered_key(lo) <= 1
         if n <= CAP:
-            n = _collect(row_ptr, allowed_row, subs_ptr, _reaching(table, lo), cand_ptr, vocab,
+            n = _collect(row_ptr, allowed_row, subs_ptr, _reaching(maxima, lo, subs_ptr), cand_ptr, vocab,
                          lo, hi, SOFTCAP, HAS_ALLOWED, SUB, GROUP, CAP)
         elif single_value:
             rounds = MAX_ROUNDS  # only ties at lo are left: t = lo
@@ -265,9 +272,35 @@ def _at(values, slot_wanted, CAP: tl.constexpr):
 
 
 @triton.jit
-def _reaching(table, lo):
-    """Number of sub-blocks (``table``: their maxima, sorted) whose maximum is >= lo."""
-    return tl.sum((table >= lo).to(tl.int32), 0)
+def _reaching(maxima, lo, subs_ptr):
+    """List the sub-blocks whose maximum (``maxima``, one per sub-block, -inf padded) is
+    >= lo in scratch, in index order (a prefix sum, no sort); return how many there are."""
+    slot = tl.arange(0, maxima.shape[0])
+    flag = (maxima >= lo).to(tl.int32)
+    pos = tl.cumsum(flag, 0) - flag
+    tl.debug_barrier()  # the previous list may still be read
+    tl.store(subs_ptr + pos, slot, mask=flag != 0)
+    tl.debug_barrier()
+    return tl.sum(flag, 0)
+
+
+@triton.jit
+def _largest_reaching(maxima, weight, target):
+    """The largest sub-block maximum v with ``sum(weight where maxima >= v) >= target`` (-inf if
+    none): the k-th largest maximum for a weight of 1 and target k. A bisection on the
+    order-preserving int keys, 32 steps at most, instead of sorting the table: the answer is
+    the same value a sort would give (F only changes at table values)."""
+    keys = ordered_key(maxima).to(tl.int64)
+    lo = tl.min(keys, 0)
+    hi = tl.max(keys, 0)
+    found = tl.sum(weight, 0) >= target
+    while lo < hi:  # invariant: F(lo) >= target (when found)
+        mid = lo + (hi - lo + 1) // 2
+        if tl.sum(tl.where(keys >= mid, weight, 0.0), 0) >= target:
+            lo = mid
+        else:
+            hi = mid - 1
+    return tl.where(found, from_ordered_key(lo.to(tl.int32)), NEG_INF)
 
 
 @triton.jit
@@ -368,11 +401,6 @@ def _search_kernel(
         if k_on | p_on:
             maxima = tl.load(table_ptr + slot_t, mask=slot_t < n_sub, other=NEG_INF)
             m1 = tl.max(maxima, 0)
-            # sub-blocks by decreasing maximum; their ids go to scratch for the passes below
-            table, sub_ids = unpack_value_id(tl.sort(pack_value_id(maxima, slot_t), descending=True))
-            tl.debug_barrier()  # the previous row's list may still be read
-            tl.store(subs_ptr + slot_t, sub_ids)
-            tl.debug_barrier()
             z1 = tl.full((), 0.0, tl.float64)  # mass of the row (relative to m1)
             if p_on & ~k_on & (m1 > NEG_INF) & (m1 < POS_INF):
                 masses = tl.load(mass_table_ptr + row64 * table_stride + slot_t,
@@ -420,10 +448,10 @@ def _search_kernel(
                         # lower bounds from the table: the k-th largest sub-block maximum is at
                         # most the k-th largest value; the sub-block maxima >= v carry at
                         # least their own mass
-                        tw = tl.where(table >= t_k, tl.exp2(tl.maximum((table - m1) * LOG2E, U_FLOOR)), 0.0)
-                        reach = tl.min(tl.where(tl.cumsum(tw.to(tl.float64), 0) >= target, slot_t, NSUB_PAD), 0)
-                        lo_mass = tl.maximum(tl.where(reach < NSUB_PAD, _at(table, reach, NSUB_PAD), NEG_INF), t_k)
-                        lo = tl.where(is_mass, lo_mass, _at(table, k - 1, NSUB_PAD))
+                        tw = tl.where(maxima >= t_k, tl.exp2(tl.maximum((maxima - m1) * LOG2E, U_FLOOR)), 0.0)
+                        weight = tl.where(is_mass, tw.to(tl.float64), 1.0)
+                        lo = _largest_reaching(maxima, weight, target)
+                        lo = tl.where(is_mass, tl.maximum(lo, t_k), lo)
                         if (lo == NEG_INF) & (ranged == 0):
                             n_valid, x_min, top, z1_row = _range_pass(row_ptr, allowed_row, vocab, m1,
                                                                       SOFTCAP, HAS_ALLOWED, TILE)
@@ -433,7 +461,7 @@ def _search_kernel(
                             lo = x_min  # no bound from the table: start from the whole row
                         n = tl.full((), 0, tl.int32)
                         if lo > NEG_INF:
-                            n = _collect(row_ptr, allowed_row, subs_ptr, _reaching(table, lo), cand_ptr,
+                            n = _collect(row_ptr, allowed_row, subs_ptr, _reaching(maxima, lo, subs_ptr), cand_ptr,
                                          vocab, lo, POS_INF, SOFTCAP, HAS_ALLOWED, SUB, GROUP, CAP)
                         if (n > CAP) & (ranged == 0):
                             n_valid, x_min, top, z1_row = _range_pass(row_ptr, allowed_row, vocab, m1,
@@ -446,7 +474,7 @@ def _search_kernel(
                             w_hi = tl.full((), 0.0, tl.float64)
                             if n > CAP:
                                 lo, hi, c_hi, w_hi, n = _bracket_search(
-                                    row_ptr, allowed_row, subs_ptr, table, cand_ptr, vocab, lo, n,
+                                    row_ptr, allowed_row, subs_ptr, maxima, cand_ptr, vocab, lo, n,
                                     target, m1, top, is_mass, SOFTCAP, HAS_ALLOWED, SUB, GROUP,
                                     CAP, PIVOTS, MAX_ROUNDS)
                             t = lo  # more than CAP entries tie at lo
@@ -472,7 +500,7 @@ def _search_kernel(
                                 else:
                                     # ties beyond CAP: one pass for the size and mass of K
                                     cnt_k, mass_k = _pivot_pass(
-                                        row_ptr, allowed_row, subs_ptr, _reaching(table, t_k), vocab,
+                                        row_ptr, allowed_row, subs_ptr, _reaching(maxima, t_k, subs_ptr), vocab,
                                         t_k, POS_INF, tl.zeros([PIVOTS], tl.float32) + t_k, m1,
                                         SOFTCAP, HAS_ALLOWED, SUB, PIVOTS)
                                     w_k = tl.max(mass_k, 0).to(tl.float64)
@@ -595,7 +623,7 @@ def threshold_rows(logits, row_request, row_position, temperature, inv_t, seeds,
     n_rows, vocab = logits.shape
     dev = logits.device
     n_sub = triton.cdiv(vocab, sub)
-    # keep the table sort small for huge vocabularies
+    # keep the per-row table (registers of the search) small for huge vocabularies
     while triton.next_power_of_2(n_sub) > 4096:
         sub *= 2
         n_sub = triton.cdiv(vocab, sub)

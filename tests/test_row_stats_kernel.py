@@ -100,10 +100,15 @@ def _assert_same_or_near_tie(got, want, score, tokens, what):
 
 
 def _assert_thresholds(got, want, logits, row_request, softcap, allowed, top_k, top_p):
-    """Equal, or (top-p) the mass at the larger one lies within 1e-5 of p."""
+    """Equal, or (top-p) the mass at the larger one lies within 1e-5 of p, or (softcap) a few
+    ulp apart: the kernels' tanh is within a few ulp of torch's, not bit-identical to it on
+    the GPU, so the k-th largest softcapped value can move by an ulp (seen on the H200 with
+    saturated logits, c * tanh(x / c) ~ c, in test_softcap_special_rows)."""
     differ = (got != want).nonzero().flatten().tolist()
     req = row_request.long()
     for r in differ:
+        if softcap is not None and abs(float(got[r]) - float(want[r])) <= 1e-6 * max(1.0, abs(float(want[r]))):
+            continue
         assert top_p is not None and float(top_p[req[r]]) < 1, f"top-k threshold row {r} differs"
         x = reference.softcapped(logits[r:r + 1], softcap)[0].double()
         valid = ~torch.isnan(x) & (x > float("-inf"))
@@ -378,23 +383,30 @@ def test_blocking_and_noise_filter_do_not_change_results(interpret):
     assert torch.equal(unfiltered.sample, base.sample)
 
 
-def test_prefetch_depth_changes_no_bit(interpret):
-    """The register prefetch (0-4 blocks ahead, the walk unrolled to match) only reorders
-    loads: every output is bit-identical, including rows whose length is not a multiple of
-    the unrolled step, an unaligned vocabulary slice, NaN / +inf and several sampling blocks."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_walk_shape_changes_no_bit(interpret, dtype):
+    """The group size (blocks per max check), the register prefetch (0-2 groups ahead, the
+    walk unrolled to match) and the key buffer (sampling-block keys drawn 1 to 16 at a time)
+    only regroup branches and reorder loads and draws: every output is
+    bit-identical, including rows whose length is not a multiple of the unrolled step, an
+    unaligned vocabulary slice, NaN / +inf, a greedy row and several sampling blocks."""
     gen = torch.Generator().manual_seed(27)
     n_rows, vocab, n_req = 5, 1999, 3
     logits = torch.randn(n_rows, vocab, generator=gen) * 3
     logits[1, 700] = float("nan")
     logits[2, 1500] = float("inf")
     logits[3, :1000] = float("-inf")
+    logits[4] = torch.linspace(-4, 4, vocab)  # a new maximum in every block
     temperature, seeds, draws = _requests(n_req, gen, temps=(0.0, 0.7, 1.3))
     row_request, row_position = _rows(n_rows, n_req, gen)
-    args = _on(interpret, logits, row_request, row_position, temperature, seeds, draws)
+    # (16-bit logits on the GPU: groups take their max on the raw values, see RAW_MAX)
+    args = _on(interpret, logits.to(dtype), row_request, row_position, temperature, seeds, draws)
     key = torch.empty(n_rows, device=args[0].device)
     outs = []
-    for depth in range(5):
-        cfg = dict(block=128, num_warps=1, prefetch=depth, num_stages=1)
+    for group, ahead, keys in ((1, 0, 64), (1, 1, 1), (1, 2, 64), (2, 0, 2), (2, 2, 64),
+                               (4, 1, 4), (4, 2, 64)):
+        cfg = dict(block=64, num_warps=1, group=group, prefetch=ahead, num_stages=1,
+                   key_buffer=keys)
         stats = rs.row_stats_rows(*args, config=cfg, vocab_offset=100, sample_block=256,
                                   sample_key=key)
         outs.append((stats, key.clone()))
