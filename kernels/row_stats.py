@@ -340,25 +340,23 @@ def _walk_group(xg0, xg1, xg2, xg3, walk, offs, lead, n_walk, n_cols, row_ptr, a
     shuffles each that one warp could not overlap with anything.
     """
     start = walk - lead  # column of the group's first entry
-    zargs = (xg0, xg1, xg2, xg3, offs, start, vocab, inv_t, threshold, allowed_row)
+    zg0, zg1, zg2, zg3 = _group_z(xg0, xg1, xg2, xg3, offs, start, vocab, inv_t, threshold,
+                                  allowed_row, SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, G, BLOCK)
     group_max = NEG_INF
     if G > 1:
         if RAW_MAX:
             # 16-bit logits, nothing masked: z = x * inv_t is monotone in x, so the group's
             # max z is max(x) * inv_t, and max(x) takes one max.bf16x2 per two entries on the
-            # raw registers (z is then only formed where it is used).
+            # raw registers.
             x_max = _max16(xg0, xg1)
             if G > 2:
                 x_max = _max16(x_max, _max16(xg2, xg3))
             group_max = tl.max(x_max.to(tl.float32), 0) * inv_t
         else:
-            zg0, zg1, zg2, zg3 = _group_z(*zargs, SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, G, BLOCK)
             lane_max = tl.maximum(zg0, zg1)
             if G > 2:
                 lane_max = tl.maximum(lane_max, tl.maximum(zg2, zg3))
             group_max = tl.max(lane_max, 0)
-    # (z again: computed once, before the branch, unless RAW_MAX left it to the branches)
-    zg0, zg1, zg2, zg3 = _group_z(*zargs, SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, G, BLOCK)
     if G == 1:
         big_m, holds, arg_b, rest, a_rest, r_acc, a_acc = _accumulate(
             zg0, offs, start, big_m, holds, arg_b, rest, a_rest, r_acc, a_acc, PLAIN_EXP2)

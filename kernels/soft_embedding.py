@@ -695,17 +695,29 @@ def _launch_wgmma(module, logits, row_request, inv_t, lse, embed_weight, norm_te
                                  norm_value, out, keep=keep, threshold=threshold,
                                  out_index=out_index, vocab_start=vocab_start, plan=plan,
                                  scratch=scratch, placeholder=placeholder)
-    if plan.tail_tiles:
-        sub_m = min(cfg.block_m, 8192 // cfg.block_n)
-        split_sum_kernel[(plan.tail_tiles, cfg.block_m // sub_m)](
-            out, placeholder if out_index is None else out_index, scratch, placeholder, placeholder,
-            placeholder if norm_tensor is None else norm_tensor,
-            n_rows, hidden, out.stride(0), norm_value,
-            plan.n_tiles_n, plan.dp_head, plan.tail_tiles, plan.split,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SUB_M=sub_m, num_warps=4,
-            HAS_OUT_INDEX=out_index is not None, HAS_KEEP=False,
-            NORM_IS_TENSOR=norm_tensor is not None,
-        )
+    _merge_split(plan, cfg, out, out_index, scratch, None, None, norm_tensor, norm_value, n_rows,
+                 hidden, placeholder)
+
+
+def _merge_split(plan: SplitPlan, cfg: TileConfig, out, out_index, scratch, row_order, kept_count,
+                 norm_tensor, norm_value: float, n_rows: int, hidden: int, placeholder) -> None:
+    """Second stage of split-K (``split_sum_kernel``) where the plan has a split tail
+    (``plan_split`` folds S = 1 into the whole tiles). ``row_order`` / ``kept_count``: the
+    compacted kept rows of the Triton kernel, or None for rows in order."""
+    if not plan.tail_tiles:
+        return
+    sub_m = min(cfg.block_m, 8192 // cfg.block_n)  # 32 x 256 or 16 x 512: no spills
+    split_sum_kernel[(plan.tail_tiles, cfg.block_m // sub_m)](
+        out, placeholder if out_index is None else out_index, scratch,
+        placeholder if row_order is None else row_order,
+        placeholder if kept_count is None else kept_count,
+        placeholder if norm_tensor is None else norm_tensor,
+        n_rows, hidden, out.stride(0), norm_value,
+        plan.n_tiles_n, plan.dp_head, plan.tail_tiles, plan.split,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SUB_M=sub_m, num_warps=4,
+        HAS_OUT_INDEX=out_index is not None, HAS_KEEP=row_order is not None,
+        NORM_IS_TENSOR=norm_tensor is not None,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -823,16 +835,14 @@ def soft_embedding_rows(
     norm_tensor = normalizer.reshape(1).to(dev) if norm_is_tensor else None
     norm_value = 1.0 if norm_is_tensor else float(normalizer)
     sms = num_sms if num_sms is not None else _num_sms(dev)
+    module = _wgmma_module() if wgmma or (wgmma is None and dev.type == "cuda") else None
+    fits = module is not None and module.supported(logits, embed_weight, vocab_start, allowed, softcap)
     if wgmma is None:
-        module = _wgmma_module() if dev.type == "cuda" else None
-        wgmma = (config is None and os.environ.get("DGEMMA_SOFT_EMBEDDING_WGMMA", "1") != "0"
-                 and module is not None
-                 and module.supported(logits, embed_weight, vocab_start, allowed, softcap))
+        wgmma = fits and config is None and os.environ.get("DGEMMA_SOFT_EMBEDDING_WGMMA", "1") != "0"
+    elif wgmma and not fits:
+        raise ValueError("the wgmma soft embedding does not support this call (see "
+                         "soft_embedding_wgmma.supported)")
     if wgmma:
-        module = _wgmma_module()
-        if module is None or not module.supported(logits, embed_weight, vocab_start, allowed, softcap):
-            raise ValueError("the wgmma soft embedding does not support this call (see "
-                             "soft_embedding_wgmma.supported)")
         _launch_wgmma(module, logits, row_request, inv_t, lse, embed_weight, norm_tensor, norm_value,
                       out, keep, threshold, out_index, vocab_start, sms)
         return out
@@ -893,16 +903,8 @@ def soft_embedding_rows(
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
         )
-        if plan.tail_tiles:  # split > 1 (plan_split folds S = 1 into the whole tiles)
-            sub_m = min(cfg.block_m, 8192 // cfg.block_n)  # 32 x 256 or 16 x 512: no spills
-            split_sum_kernel[(plan.tail_tiles, cfg.block_m // sub_m)](
-                out, placeholder if out_index is None else out_index, scratch, placeholder if row_order is None else row_order,
-                placeholder if kept_count is None else kept_count,
-                placeholder if norm_tensor is None else norm_tensor,
-                n_rows, hidden, out.stride(0), norm_value, *schedule,
-                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SUB_M=sub_m, num_warps=4,
-                HAS_OUT_INDEX=out_index is not None, **flags,
-            )
+        _merge_split(plan, cfg, out, out_index, scratch, row_order, kept_count, norm_tensor,
+                     norm_value, n_rows, hidden, placeholder)
         global _last_kernel
         _last_kernel = kernel
         return kernel

@@ -40,6 +40,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .soft_embedding import _tile_of_program
+
 # Names that changed between Triton 3.6 and 3.9 (module-level aliases are callable in gluon.jit).
 _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 _cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
@@ -143,17 +145,9 @@ def soft_embedding_wgmma_kernel(
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, a_layout)
 
-    # -- program -> tile and vocabulary range (the order of soft_embedding._tile_of_program) --
-    pid = gl.program_id(0)
-    tail_pieces = tail_tiles * split
-    q = pid - dp_head
-    in_tail = (q >= 0) & (q < tail_pieces)
-    safe_tail = gl.maximum(tail_tiles, 1)
-    tile = gl.where(in_tail, dp_head + q % safe_tail, gl.where(q < 0, pid, pid - tail_pieces + tail_tiles))
-    piece = gl.where(in_tail, q // safe_tail, 0)
-    pieces = gl.where(in_tail, split, 1)
-    m_tile = tile // n_tiles_n
-    n_tile = tile % n_tiles_n
+    # -- program -> tile and vocabulary range --
+    m_tile, n_tile, tail_idx, piece, pieces = _tile_of_program(
+        gl.program_id(0), n_tiles_n, dp_head, tail_tiles, split)
     k_blocks = gl.cdiv(v_local, BK)
     kb_begin = piece * k_blocks // pieces
     kb_end = (piece + 1) * k_blocks // pieces
@@ -197,7 +191,7 @@ def soft_embedding_wgmma_kernel(
     out_rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, mma_layout))
     cols = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, mma_layout))
     if piece > 0:
-        slot = ((piece - 1) * tail_tiles + (tile - dp_head)).to(gl.int64)
+        slot = ((piece - 1) * tail_tiles + tail_idx).to(gl.int64)
         offs = (gl.expand_dims(gl.arange(0, BM, layout=gl.SliceLayout(1, mma_layout)), 1) * SCRATCH_N
                 + gl.expand_dims(gl.arange(0, BN, layout=gl.SliceLayout(0, mma_layout)), 0))
         gl.store(scratch_ptr + slot * (BM * SCRATCH_N) + offs, acc)
