@@ -1,4 +1,4 @@
-"""Self-conditioning GEMM on Hopper in Gluon: probabilities go to the tensor cores from registers.
+"""Self-conditioning GEMM on Hopper in Gluon: TMA tiles, probabilities made in registers, wgmma.
 
 Same math and contract as ``soft_embedding.py`` (read its docstring first): per logits row,
 ``p = exp(z - lse)`` with ``z = x * inv_t``, masked entries 0, and ``out = normalizer * p @ E``.
@@ -8,11 +8,20 @@ memory in a blocked layout, computes ``p`` there, and after the cast to bf16 mov
 through shared memory again (store, barrier, load) into the register layout of the wgmma
 A operand; with the pointer loads' address arithmetic that is ~380 instructions per warp
 and K step for ~160 of arithmetic, and it holds the GEMM at ~60% of cuBLAS. Gluon lets the
-kernel name its layouts: the logits tile arrives by TMA and is read from shared memory
-straight into the A-operand layout (``DotOperandLayout(0, wgmma, k_width=2)``, 8-byte
-loads), ``p`` is computed and cast in place, and ``warpgroup_mma`` takes it from registers.
-E tiles come by TMA too. Per warp and K step (128 x 256 x 64 tile, 8 warps): 16 LDS.64, the
-~160 instructions of the prologue, 4 wgmma, one barrier.
+kernel name its layouts and its shared-memory traffic: the logits and E tiles arrive by TMA,
+``p`` is computed in registers, stored once to a shared tile and read by ``warpgroup_mma``
+from there (asynchronously, one wgmma group in flight while the next ``p`` is computed).
+
+Layouts (shared memory is this kernel's tightest resource after L2: Nsight Compute put the
+L1/shared pipe at 79% with the logits read in the wgmma operand layout, a third of those
+reads being bank conflicts). A warp reads the logits tile in rows of 8 threads x 16 bytes
+(``tile_layout``: ``[1, VEC]`` elements per thread, ``[4, 8]`` threads), so the 8 threads
+of a quarter warp read the 8 16-byte chunks of one 128-byte row of the TMA box, which the
+128-byte swizzle only permutes: one wavefront per quarter warp, no conflict. Each thread
+then stores its ``p`` (8 bytes from fp32 logits, 16 from 16-bit) into the p tile; with
+fp32 logits a half warp writes two 64-byte row pieces, which land on disjoint banks under a
+64-byte swizzle of the p tile (under 128 bytes they would collide 2-way), with 16-bit
+logits a quarter warp writes one whole 128-byte row (128-byte swizzle).
 
 Pipeline: ``STAGES`` shared-memory stages of (logits tile, E tile), each with an mbarrier
 the TMA completes. At K step ``i`` the program waits for stage ``i``, computes ``p``, issues
@@ -80,26 +89,27 @@ def _neg_lse2(lse):
 
 
 @gluon.jit
-def _issue(x_desc, e_desc, x_bufs, e_bufs, bars, kb, stage, row0, col0, BK: gl.constexpr):
-    """TMA loads of K block ``kb`` (logits and E tiles) into ``stage``."""
+def _issue(x_desc, e_desc, x_bufs, e_bufs, bars, kb, stage, row0, col0, BK: gl.constexpr, pred=True):
+    """TMA loads of K block ``kb`` (logits and E tiles) into ``stage`` (none where ``pred`` is False)."""
     bar = bars.index(stage)
-    mbarrier.expect(bar, x_desc.block_type.nbytes + e_desc.block_type.nbytes)
-    _tma_load(x_desc, [row0, kb * BK], bar, x_bufs.index(stage))
-    _tma_load(e_desc, [kb * BK, col0], bar, e_bufs.index(stage))
+    mbarrier.expect(bar, x_desc.block_type.nbytes + e_desc.block_type.nbytes, pred)
+    _tma_load(x_desc, [row0, kb * BK], bar, x_bufs.index(stage), pred)
+    _tma_load(e_desc, [kb * BK, col0], bar, e_bufs.index(stage), pred)
 
 
 @gluon.jit
 def _k_loop(x_desc, e_desc, x_bufs, e_bufs, p_bufs, bars, acc, kb_begin, n_k, row0, col0,
-            inv_t, neg_lse2, threshold, a_layout: gl.constexpr, THRESHOLD: gl.constexpr,
+            inv_t, neg_lse2, threshold, tile_layout: gl.constexpr, THRESHOLD: gl.constexpr,
             STAGES: gl.constexpr, BK: gl.constexpr):
     """``acc += p @ E`` over K blocks ``[kb_begin, kb_begin + n_k)``."""
+    # Predicated, not branched: a branch here lets LLVM thread the zero-trip case past the loop
+    # with its own zero accumulator, and ptxas then serializes every wgmma (advisory C7515).
     for i in gl.static_range(STAGES - 1):
-        if i < n_k:
-            _issue(x_desc, e_desc, x_bufs, e_bufs, bars, kb_begin + i, i, row0, col0, BK)
+        _issue(x_desc, e_desc, x_bufs, e_bufs, bars, kb_begin + i, i, row0, col0, BK, i < n_k)
     for i in range(n_k):
         stage = i % STAGES
         mbarrier.wait(bars.index(stage), (i // STAGES) & 1)
-        x = x_bufs.index(stage).load(a_layout).to(gl.float32)
+        x = x_bufs.index(stage).load(tile_layout).to(gl.float32)
         # z = x * inv_t as the row-statistics pass computed it, then base 2 against lse.
         d2 = gl.fma(x * gl.expand_dims(inv_t, 1), LOG2E, gl.expand_dims(neg_lse2, 1))
         if THRESHOLD:
@@ -108,7 +118,8 @@ def _k_loop(x_desc, e_desc, x_bufs, e_bufs, p_bufs, bars, acc, kb_begin, n_k, ro
         p = _nan_to_zero(p.to(e_desc.dtype))
         # p goes to the tensor cores from shared memory: a register operand would be rewritten
         # by the next step while its wgmma still reads it, which ptxas answers by waiting for
-        # every wgmma right after issuing it (seen in the SASS: no overlap at all).
+        # every wgmma right after issuing it (seen in the SASS: no overlap at all). So the
+        # logits tile is read in the layout that suits shared memory (Layouts, above).
         p_buf = p_bufs.index(i % 2)
         p_buf.store(p)
         fence_async_shared()
@@ -135,6 +146,7 @@ def soft_embedding_wgmma_kernel(
     n_tiles_n, dp_head, tail_tiles, split,        # schedule: soft_embedding.plan_split
     HAS_THRESHOLD: gl.constexpr, HAS_KEEP: gl.constexpr, HAS_OUT_INDEX: gl.constexpr,
     NORM_IS_TENSOR: gl.constexpr, STAGES: gl.constexpr, SCRATCH_N: gl.constexpr,
+    VEC: gl.constexpr, P_SWIZZLE: gl.constexpr,
 ):
     BM: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
@@ -142,8 +154,8 @@ def soft_embedding_wgmma_kernel(
     NW: gl.constexpr = gl.num_warps()
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                          instr_shape=[16, BN, 16])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
-    row_layout: gl.constexpr = gl.SliceLayout(1, a_layout)
+    tile_layout: gl.constexpr = gl.BlockedLayout([1, VEC], [4, 8], [NW, 1], [1, 0])
+    row_layout: gl.constexpr = gl.SliceLayout(1, tile_layout)
 
     # -- program -> tile and vocabulary range --
     m_tile, n_tile, tail_idx, piece, pieces = _tile_of_program(
@@ -173,7 +185,7 @@ def soft_embedding_wgmma_kernel(
 
     x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK], x_desc.layout)
     e_bufs = gl.allocate_shared_memory(e_desc.dtype, [STAGES, BK, BN], e_desc.layout)
-    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BK], e_desc.dtype)
+    p_layout: gl.constexpr = gl.NVMMASharedLayout(P_SWIZZLE, 16)
     p_bufs = gl.allocate_shared_memory(e_desc.dtype, [2, BM, BK], p_layout)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
@@ -181,9 +193,13 @@ def soft_embedding_wgmma_kernel(
     fence_async_shared()
 
     acc = gl.zeros([BM, BN], gl.float32, layout=mma_layout)
+    # Pin the zeros before the loop's zero-trip branch: otherwise LLVM sinks a second zero
+    # accumulator into the path that skips the loop, and ptxas, seeing non-wgmma definitions
+    # of accumulator registers, serializes every wgmma (advisory C7515).
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     col0 = n_tile * BN
     acc = _k_loop(x_desc, e_desc, x_bufs, e_bufs, p_bufs, bars, acc, kb_begin, n_k, row0, col0, inv_t,
-                  neg_lse2, threshold, a_layout, HAS_THRESHOLD, STAGES, BK)
+                  neg_lse2, threshold, tile_layout, HAS_THRESHOLD, STAGES, BK)
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(s))
 
@@ -208,6 +224,11 @@ def soft_embedding_wgmma_kernel(
         ptrs = out_ptr + gl.expand_dims(dest * stride_out, 1) + gl.expand_dims(cols, 0)
         mask = gl.expand_dims(in_range, 1) & gl.expand_dims(cols < hidden, 0)
         gl.store(ptrs, acc * scale, mask=mask)
+
+
+def _p_swizzle(logits_bytes: int) -> int:
+    """Swizzle of the p tile that keeps its stores conflict-free (Layouts, module docstring)."""
+    return 64 if logits_bytes == 4 else 128
 
 
 def supported(logits: torch.Tensor, embed_weight: torch.Tensor, vocab_start: int, allowed, softcap) -> bool:
@@ -261,5 +282,6 @@ def launch(logits, row_request, inv_t, lse, embed_weight, norm_tensor, norm_valu
         HAS_THRESHOLD=threshold is not None, HAS_KEEP=keep is not None,
         HAS_OUT_INDEX=out_index is not None, NORM_IS_TENSOR=norm_tensor is not None,
         STAGES=stages_for(logits.dtype, embed_weight.dtype), SCRATCH_N=BLOCK_N,
+        VEC=16 // logits.element_size(), P_SWIZZLE=_p_swizzle(logits.element_size()),
         num_warps=NUM_WARPS,
     )

@@ -1,0 +1,128 @@
+"""Where the Gluon soft-embedding GEMM spends its time: variants that leave one stage out.
+
+Each variant is the source of ``kernels/soft_embedding_wgmma.py`` with one text substitution,
+written to a temporary module and timed at the real shape against cuBLAS on materialized bf16
+probabilities (median of ``triton.testing.do_bench``). The differences between variants place
+the time (METHOD: "time variants that leave one stage out"); most variants compute wrong
+results on purpose and are only timed.
+
+    python bench/diag_soft_embedding.py [--requests 32] [--variants base,noexp,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import sys
+import tempfile
+
+import torch
+import triton.testing
+
+from dgemma_sampler import reference
+from dgemma_sampler.kernels import soft_embedding as se
+
+CANVAS, VOCAB, HIDDEN = 256, 262144, 2816
+SRC = os.path.join(os.path.dirname(se.__file__), "soft_embedding_wgmma.py")
+
+LOAD = "x = x_bufs.index(stage).load(a_layout).to(gl.float32)"
+EXP = "p = _exp2_ftz(gl.minimum(d2, 0.0, propagate_nan=tl.PropagateNan.ALL))"
+BAR2 = "        _cta_barrier()\n        ahead = i + STAGES - 1"
+EXPECT = "mbarrier.expect(bar, x_desc.block_type.nbytes + e_desc.block_type.nbytes)"
+X_TMA = "    _tma_load(x_desc, [row0, kb * BK], bar, x_bufs.index(stage))\n"
+STORE = "        p_buf.store(p)\n        fence_async_shared()\n        _cta_barrier()  # every warp's part of p is in shared memory\n"
+
+# name -> list of (old, new) substitutions
+VARIANTS = {
+    "base": [],
+    # no MUFU: p = min(d2, 0) cast (measures the exponentials)
+    "noexp": [(EXP, "p = gl.minimum(d2, 0.0, propagate_nan=tl.PropagateNan.ALL)")],
+    # no barrier before the TMA refill (a race: measures that barrier)
+    "nobar2": [(BAR2, "        ahead = i + STAGES - 1")],
+    # no logits read from shared memory and no prologue math (p a splat)
+    "noprologue": [(LOAD, "x = gl.full([128, 64], 0.5, gl.float32, a_layout) + i")],
+    # ... and no logits TMA either (only E streams)
+    "noprologue_nologits": [(LOAD, "x = gl.full([128, 64], 0.5, gl.float32, a_layout) + i"),
+                            (EXPECT, "mbarrier.expect(bar, e_desc.block_type.nbytes)"), (X_TMA, "")],
+    # ... and p written once (no per-step store, fence, barrier): a plain pipelined SS GEMM
+    "gemm_only": [(LOAD, "x = gl.full([128, 64], 0.5, gl.float32, a_layout) + i"),
+                  (EXPECT, "mbarrier.expect(bar, e_desc.block_type.nbytes)"), (X_TMA, ""),
+                  (STORE, "        p_buf = p_bufs.index(0)\n")],
+    # BLOCK_K 32 with up to 8 stages (a deeper TMA lookahead in bytes-ahead terms)
+    "bk32": [("BLOCK_M, BLOCK_N, BLOCK_K = 128, 256, 64", "BLOCK_M, BLOCK_N, BLOCK_K = 128, 256, 32"),
+             ("return max(2, min(4,", "return max(2, min(8,")],
+}
+
+
+def load_variant(name: str):
+    text = open(SRC).read()
+    for old, new in VARIANTS[name]:
+        assert old in text, (name, old)
+        text = text.replace(old, new)
+    text = text.replace("from .soft_embedding import", "from dgemma_sampler.kernels.soft_embedding import")
+    path = os.path.join(tempfile.mkdtemp(), f"se_wgmma_{name}.py")
+    with open(path, "w") as f:
+        f.write(text)
+    spec = importlib.util.spec_from_file_location(f"se_wgmma_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows = args.requests * CANVAS
+    logits = torch.randn(rows, VOCAB, generator=g, device="cuda").mul_(3.0)
+    row_request = torch.arange(args.requests, dtype=torch.int32, device="cuda").repeat_interleave(CANVAS)
+    temperature = 0.4 + 0.4 * torch.rand(args.requests, generator=g, device="cuda")
+    inv_t = reference.inverse_temperature(temperature)[row_request.long()]
+    lse = torch.empty(rows, device="cuda")
+    for r0 in range(0, rows, 512):
+        lse[r0:r0 + 512] = torch.logsumexp(logits[r0:r0 + 512] * inv_t[r0:r0 + 512, None], dim=1)
+    embed = (torch.randn(VOCAB, HIDDEN, generator=g, device="cuda") * 0.03).to(torch.bfloat16)
+    probs = torch.rand(rows, VOCAB, generator=g, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(rows, HIDDEN, device="cuda")
+    gemm_out = torch.empty(rows, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    logits_bf16 = logits.to(torch.bfloat16)
+    bench = lambda fn: triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+    cublas = bench(lambda: torch.mm(probs, embed, out=gemm_out))
+    print(f"cuBLAS {cublas:.3f} ms", flush=True)
+    results = dict(requests=args.requests, cublas_ms=cublas, variants={})
+    reference_out = None
+    for name in args.variants.split(","):
+        module = load_variant(name)
+        se._WGMMA = module
+        for dname, x in (("fp32", logits), ("bf16", logits_bf16)):
+            fn = lambda: se.soft_embedding_rows(x, row_request, temperature, lse, embed,
+                                                math.sqrt(HIDDEN), out=out, wgmma=True)
+            try:
+                fn()
+                torch.cuda.synchronize()
+                ms = bench(fn)
+            except Exception as exc:  # a variant that does not compile is reported, not fatal
+                print(f"{name:22s} {dname}: failed {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                continue
+            if name == "base" and dname == "fp32":
+                reference_out = out.clone()
+            diff = (out - reference_out).abs().max().item() if reference_out is not None else float("nan")
+            regs = getattr(se._last_kernel, "n_regs", None)
+            results["variants"][f"{name} {dname}"] = dict(ms=ms, vs_cublas=cublas / ms, max_diff=diff,
+                                                         regs=regs)
+            print(f"{name:22s} {dname}: {ms:7.3f} ms ({cublas / ms:4.0%} of cuBLAS) regs {regs} "
+                  f"max|out - base fp32| {diff:.1e}", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
