@@ -43,15 +43,12 @@ from dgemma_sampler import reference  # noqa: E402
 from dgemma_sampler.kernels import row_stats as rs  # noqa: E402
 
 WIDTH, VOCAB = 256, 262144
-SWEEP = [  # stats pass launch configs (keys of row_stats.default_config); greedy and sampling
-    # group: blocks per max check; prefetch: groups loaded ahead (see row_stats.walk_shape)
-    dict(block=256, num_warps=1, group=g, prefetch=p, num_stages=1)
-    for g, p in ((1, 2), (2, 2), (4, 1), (4, 2))
-] + [
-    dict(block=256, num_warps=1, group=4, prefetch=2, num_stages=1, maxnreg=128),
-    dict(block=256, num_warps=1, group=4, prefetch=1, num_stages=1, key_buffer=1),
-    dict(block=128, num_warps=1, group=4, prefetch=2, num_stages=1),
-]
+SWEEP = [  # stats pass launch configs (keys of row_stats.default_config), merged into the default
+    # tma: whole groups through a TMA descriptor, tma_stages deep (16-bit default on Hopper);
+    # tma=False: the register-prefetch walk (group blocks per max check, prefetch groups ahead)
+    dict(tma=False),
+    dict(tma=False, group=4, prefetch=2),
+] + [dict(tma=True, tma_stages=s) for s in (3, 4, 6)] + [dict(tma=True, group=2)]
 FULL_SWEEP = SWEEP + [
     dict(block=512, num_warps=2, group=1, prefetch=0, num_stages=4),
     dict(block=1024, num_warps=4, group=1, prefetch=2, num_stages=1),

@@ -569,3 +569,36 @@ def test_gpu_rows_times_vocab_above_2_pow_31():
     rows = torch.cat([torch.arange(0, 64, device="cuda"), torch.arange(n_rows - 192, n_rows, device="cuda"),
                       torch.randint(64, n_rows - 192, (64,), device="cuda")])
     _gpu_check(logits, row_request, row_position, temperature, seeds, draws, rows=rows)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gpu_descriptor_walk_changes_no_bit(dtype):
+    """Whole groups through the TMA descriptor (the 16-bit default on Hopper) against the
+    register-prefetch walk: every output bit-identical, with a ragged last group (a column
+    slice of a wider tensor), NaN / +inf / -inf rows, a new maximum in every block, greedy
+    rows, a sliced vocabulary (vocab_offset on a sampling-block boundary), sample keys and
+    top-k / top-p thresholds."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs Hopper or later")
+    n_req, width, vocab = 3, 64, 262144 - 4096 - 296
+    data = _gpu_rows(n_req, width, 262144, dtype, 24)
+    logits = data[0][:, :vocab]  # row stride 262144, the last group ragged
+    logits[1, 700] = float("nan")
+    logits[2, 150000] = float("inf")
+    logits[3, :100000] = float("-inf")
+    logits[4] = torch.linspace(-4, 4, vocab, device="cuda").to(dtype)
+    args = (logits,) + data[1:]
+    assert rs._tma_walk(logits, dict(tma=True), 256, True)
+    top_k = torch.tensor([0, 50, 2000], device="cuda")
+    top_p = torch.tensor([0.9, 1.0, 0.5], device="cuda")
+    for kw in (dict(), dict(vocab_offset=2 * 4096), dict(top_k=top_k, top_p=top_p)):
+        outs = []
+        for tma in (False, True):
+            key = torch.empty(logits.shape[0], device="cuda")
+            stats = rs.row_stats_rows(*args, config=dict(tma=tma), sample_key=key, **kw)
+            outs.append((stats, key))
+        (base, base_key), (other, other_key) = outs
+        for name in ("argmax", "sample", "entropy", "lse", "has_nan", "threshold"):
+            assert torch.equal(getattr(other, name), getattr(base, name)), (name, kw)
+        assert torch.equal(other_key, base_key), kw
