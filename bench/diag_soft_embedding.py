@@ -35,6 +35,31 @@ EXPECT = "mbarrier.expect(bar, x_desc.block_type.nbytes + e_desc.block_type.nbyt
 X_TMA = "    _tma_load(x_desc, [row0, kb * BK], bar, x_bufs.index(stage), pred)\n"
 STORE = "        p_buf.store(p)\n        fence_async_shared()\n        _cta_barrier()  # every warp's part of p is in shared memory\n"
 
+NAN_TO_ZERO = "@gluon.jit\ndef _nan_to_zero(p):"
+MIXED_EXP = "p = _exp2_mixed(gl.minimum(d2, 0.0, propagate_nan=tl.PropagateNan.ALL))"
+# 2^d for d <= 0 (or -inf / NaN -> 0) by polynomial: t = d + 1.5 * 2^23 rounds d to the
+# integer j (in t's low mantissa bits), f = d - j in [-0.5, 0.5], 2^f by Taylor to degree 5,
+# j added to the exponent field; d < -125 gives 0 (MUFU.EX2.FTZ gives 0 below -126).
+_POLY = """
+  {{ .reg .f32 t, j, f, q; .reg .b32 e, r; .reg .pred ok;
+  add.rn.f32 t, {d}, 0f4B400000; sub.rn.f32 j, t, 0f4B400000; sub.rn.f32 f, {d}, j;
+  fma.rn.f32 q, f, 0f3AAEC3FF, 0f3C1D955B; fma.rn.f32 q, q, f, 0f3D635847;
+  fma.rn.f32 q, q, f, 0f3E75FDF0; fma.rn.f32 q, q, f, 0f3F317218; fma.rn.f32 q, q, f, 0f3F800000;
+  mov.b32 e, t; shl.b32 e, e, 23; mov.b32 r, q; add.s32 r, r, e;
+  setp.ge.f32 ok, {d}, 0fC2FA0000; selp.b32 {out}, r, 0, ok; }}"""
+
+
+def _mixed_exp2(pack: int) -> str:
+    """A gluon.jit ``_exp2_mixed``: of each ``pack`` entries, the last by _POLY, others MUFU."""
+    lines = [f"ex2.approx.ftz.f32 ${i}, ${pack + i};" for i in range(pack - 1)]
+    lines.append(_POLY.format(d=f"${2 * pack - 1}", out=f"${pack - 1}"))
+    asm = " ".join(lines).replace("\n", " ")
+    constraints = ",".join(["=r"] * pack + ["r"] * pack)
+    return ("@gluon.jit\ndef _exp2_mixed(d2):\n"
+            f"    return gl.inline_asm_elementwise({asm!r}, {constraints!r}, [d2], dtype=gl.float32,"
+            f" is_pure=True, pack={pack})\n\n\n")
+
+
 # name -> list of (old, new) substitutions
 VARIANTS = {
     "base": [],
@@ -71,6 +96,11 @@ VARIANTS = {
         mbarrier.wait(bars.index(nxt % STAGES), (nxt // STAGES) & 1, pred=nxt < n_k)
         x_next = x_bufs.index(nxt % STAGES).load(tile_layout)
 """)],
+    # exp2 of one entry in 2 (poly2) or 4 (poly4) by a degree-5 polynomial on the FMA pipe
+    # (Cody-Waite split, exponent by integer add; 3.3e-6 relative), the rest by MUFU.EX2:
+    # does moving work off the MUFU pipe shorten the prologue?
+    "poly2": [(NAN_TO_ZERO, _mixed_exp2(2) + NAN_TO_ZERO), (EXP, MIXED_EXP)],
+    "poly4": [(NAN_TO_ZERO, _mixed_exp2(4) + NAN_TO_ZERO), (EXP, MIXED_EXP)],
     # BLOCK_K 32 with up to 8 stages (a deeper TMA lookahead in bytes-ahead terms)
     "bk32": [("BLOCK_M, BLOCK_N, BLOCK_K = 128, 256, 64", "BLOCK_M, BLOCK_N, BLOCK_K = 128, 256, 32"),
              ("return max(2, min(4,", "return max(2, min(8,")],

@@ -554,7 +554,8 @@ def _row_stats_kernel(
     if PREFETCH > 0:
         a0, a1, a2, a3 = _load_group(row_ptr, walk0, offs, lead, n_walk, GROUP, BLOCK, ALIGNED)
     if PREFETCH > GROUP:
-        b0, b1, b2, b3 = _load_group(row_ptr, walk0 + SPAN, offs, lead, n_walk, GROUP, BLOCK, ALIGNED)
+        b0, b1, b2, b3 = _load_group(row_ptr, walk0 + SPAN, offs, lead, n_walk, GROUP, BLOCK,
+                                     ALIGNED)
     for walk in tl.range(walk0, n_walk, STEP, num_stages=NUM_STAGES):
         if PREFETCH == 0:
             a0, a1, a2, a3 = _load_group(row_ptr, walk, offs, lead, n_walk, GROUP, BLOCK, ALIGNED)

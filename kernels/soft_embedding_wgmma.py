@@ -89,8 +89,10 @@ def _neg_lse2(lse):
 
 
 @gluon.jit
-def _issue(x_desc, e_desc, x_bufs, e_bufs, bars, kb, stage, row0, col0, BK: gl.constexpr, pred=True):
-    """TMA loads of K block ``kb`` (logits and E tiles) into ``stage`` (none where ``pred`` is False)."""
+def _issue(x_desc, e_desc, x_bufs, e_bufs, bars, kb, stage, row0, col0, BK: gl.constexpr,
+           pred=True):
+    """TMA loads of K block ``kb`` (logits and E tiles) into ``stage`` (none where ``pred``
+    is False)."""
     bar = bars.index(stage)
     mbarrier.expect(bar, x_desc.block_type.nbytes + e_desc.block_type.nbytes, pred)
     _tma_load(x_desc, [row0, kb * BK], bar, x_bufs.index(stage), pred)
