@@ -2,7 +2,8 @@
 
 Each variant is the source of ``kernels/soft_embedding_wgmma.py`` with one text substitution,
 written to a temporary module and timed at the real shape against cuBLAS on materialized bf16
-probabilities (median of ``triton.testing.do_bench``). The differences between variants place
+probabilities (median of ``triton.testing.do_bench``; inputs from
+``bench_soft_embedding.make_inputs``, the benchmark's own). The differences between variants place
 the time (METHOD: "time variants that leave one stage out"); most variants compute wrong
 results on purpose and are only timed.
 
@@ -14,7 +15,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import math
 import os
 import sys
 import tempfile
@@ -22,10 +22,10 @@ import tempfile
 import torch
 import triton.testing
 
-from dgemma_sampler import reference
+from bench_soft_embedding import make_inputs  # this script's folder
 from dgemma_sampler.kernels import soft_embedding as se
 
-CANVAS, VOCAB, HIDDEN = 256, 262144, 2816
+VOCAB, HIDDEN = 262144, 2816
 SRC = os.path.join(os.path.dirname(se.__file__), "soft_embedding_wgmma.py")
 
 LOAD = "x = x_bufs.index(stage).load(tile_layout).to(gl.float32)"
@@ -129,31 +129,21 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--out")
     args = ap.parse_args()
-    g = torch.Generator(device="cuda").manual_seed(0)
-    rows = args.requests * CANVAS
-    logits = torch.randn(rows, VOCAB, generator=g, device="cuda").mul_(3.0)
-    row_request = torch.arange(args.requests, dtype=torch.int32, device="cuda").repeat_interleave(CANVAS)
-    temperature = 0.4 + 0.4 * torch.rand(args.requests, generator=g, device="cuda")
-    inv_t = reference.inverse_temperature(temperature)[row_request.long()]
-    lse = torch.empty(rows, device="cuda")
-    for r0 in range(0, rows, 512):
-        lse[r0:r0 + 512] = torch.logsumexp(logits[r0:r0 + 512] * inv_t[r0:r0 + 512, None], dim=1)
-    embed = (torch.randn(VOCAB, HIDDEN, generator=g, device="cuda") * 0.03).to(torch.bfloat16)
-    probs = torch.rand(rows, VOCAB, generator=g, device="cuda", dtype=torch.bfloat16)
-    out = torch.empty(rows, HIDDEN, device="cuda")
-    gemm_out = torch.empty(rows, HIDDEN, device="cuda", dtype=torch.bfloat16)
-    logits_bf16 = logits.to(torch.bfloat16)
+    x = make_inputs(args.requests, VOCAB, HIDDEN)
+    out = x["out"]
+    gemm_out = torch.empty(out.shape, device="cuda", dtype=torch.bfloat16)
     bench = lambda fn: triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
-    cublas = bench(lambda: torch.mm(probs, embed, out=gemm_out))
+    cublas = bench(lambda: torch.mm(x["probs"], x["embed"], out=gemm_out))
     print(f"cuBLAS {cublas:.3f} ms", flush=True)
     results = dict(requests=args.requests, cublas_ms=cublas, variants={})
     reference_out = None
     for name in args.variants.split(","):
         module = load_variant(name)
         se._WGMMA = module
-        for dname, x in (("fp32", logits), ("bf16", logits_bf16)):
-            fn = lambda: se.soft_embedding_rows(x, row_request, temperature, lse, embed,
-                                                math.sqrt(HIDDEN), out=out, wgmma=True)
+        for dname, logits in (("fp32", x["logits"]), ("bf16", x["logits_bf16"])):
+            fn = lambda: se.soft_embedding_rows(logits, x["row_request"], x["temperature"],
+                                                x["lse"], x["embed"], x["normalizer"], out=out,
+                                                wgmma=True)
             try:
                 fn()
                 torch.cuda.synchronize()

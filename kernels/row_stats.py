@@ -484,7 +484,7 @@ def _row_stats_kernel(
     NUM_STAGES: tl.constexpr,    # Triton's own load pipelining (cp.async) when > 1
     ALIGNED: tl.constexpr,       # vocab_offset % SAMPLE_BLOCK == 0 (no lead)
     PLAIN_EXP2: tl.constexpr,    # tl.exp2 in the hot loop, not ex2.approx.ftz (interpreter)
-    TMA_WALK: tl.constexpr,      # whole groups through logits_desc (needs ALIGNED, PREFETCH 0)
+    TMA_WALK: tl.constexpr,      # whole groups through logits_desc (needs ALIGNED)
     TMA_STAGES: tl.constexpr,    # groups in flight in shared memory on the descriptor walk
 ):
     row = tl.program_id(0)

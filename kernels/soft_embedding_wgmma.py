@@ -104,8 +104,9 @@ def _k_loop(x_desc, e_desc, x_bufs, e_bufs, p_bufs, bars, acc, kb_begin, n_k, ro
             inv_t, neg_lse2, threshold, tile_layout: gl.constexpr, THRESHOLD: gl.constexpr,
             STAGES: gl.constexpr, BK: gl.constexpr):
     """``acc += p @ E`` over K blocks ``[kb_begin, kb_begin + n_k)``."""
-    # Predicated, not branched: a branch here lets LLVM thread the zero-trip case past the loop
-    # with its own zero accumulator, and ptxas then serializes every wgmma (advisory C7515).
+    # The fill is predicated rather than branched (no branch before the loop). What keeps
+    # ptxas from serializing the wgmmas (C7515) is the accumulator pinned by the caller; with
+    # that pin the branched form compiles without C7515 too (checked for sm_90, Triton 3.6).
     for i in gl.static_range(STAGES - 1):
         _issue(x_desc, e_desc, x_bufs, e_bufs, bars, kb_begin + i, i, row0, col0, BK, i < n_k)
     for i in range(n_k):
