@@ -19,7 +19,9 @@ and ``flat`` (the normal bulk alone, at 32 requests only: the worst case for sam
 no vocabulary block can be ruled out). ``greedy`` rows (T = 0) show the cost of the pass
 without noise. A config sweep at 32 requests (``lm`` data; greedy and sampling; ``--full-sweep``
 for more configs, ``--no-sweep`` to skip it) prints the best launch configuration of the
-stats pass (and, with ``--threshold-sweep``, of the top-k/top-p search). Fresh machines
+stats pass (and, with ``--threshold-sweep``, of the top-k/top-p search; ``--threshold-only``
+runs just the 32-request ``lm`` cases, plain and with top-k/top-p, and the search's register-cap
+sweep, ``REGISTER_SWEEP``). Fresh machines
 compile every variant (the top-k/top-p search kernel takes ~25 s per variant); the default
 run is meant to stay near 3 minutes.
 """
@@ -58,6 +60,9 @@ THRESHOLD_SWEEP = [  # top-k / top-p scan and search (each search variant compil
     dict(cap=256, num_warps=4, group=4), dict(cap=256, num_warps=4, group=8),
     dict(cap=256, num_warps=2, group=4), dict(cap=128, num_warps=4, group=4),
 ]
+# --threshold-only: the search's register cap (default at 32 requests: 96 registers, 5
+# programs per SM; None: 255 registers, 2 per SM) and smaller sub-blocks
+REGISTER_SWEEP = [dict(), dict(maxnreg=None), dict(maxnreg=128, programs_per_sm=4), dict(sub=128)]
 
 
 def make_logits(n_req: int, dtype: torch.dtype, kind: str, seed: int) -> torch.Tensor:
@@ -158,19 +163,21 @@ def main() -> None:
     ap.add_argument("--full-sweep", action="store_true", help="more launch configs (slower)")
     ap.add_argument("--threshold-sweep", action="store_true",
                     help="also top-k/top-p search configs at 32 requests (~25 s compile each)")
+    ap.add_argument("--threshold-only", action="store_true",
+                    help="only 32 requests of lm logits, plain and top-k/top-p, and the search sweep")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA device"
     t_start = time.time()
     results: list[dict] = []
     copy = copy_tbps()
     print(f"device-to-device copy: {copy:.2f} TB/s (read + write)", flush=True)
-    sizes = [32] if args.quick else [1, 4, 16, 32]
+    sizes = [32] if args.quick or args.threshold_only else [1, 4, 16, 32]
     top_k_val, top_p_val = 50, 0.9
 
     for dtype in (torch.float32, torch.bfloat16):
         dname = str(dtype).replace("torch.", "")
         for n_req in sizes:
-            kinds = ["lm", "flat"] if n_req == 32 else ["lm"]
+            kinds = ["lm", "flat"] if n_req == 32 and not args.threshold_only else ["lm"]
             for kind in kinds:
                 bufs = [make_logits(n_req, dtype, kind, seed) for seed in (1, 2)]
                 nbytes = bufs[0].numel() * bufs[0].element_size()
@@ -181,7 +188,7 @@ def main() -> None:
                     "sample": dict(),
                     "sample+topk/topp": dict(top_k=top_k, top_p=top_p),
                 }
-                if kind == "lm" and n_req == 32:
+                if kind == "lm" and n_req == 32 and not args.threshold_only:
                     modes["greedy"] = dict(greedy=True)
                 for mode, extra in modes.items():
                     t = temperature if not extra.get("greedy") else torch.zeros_like(temperature)
@@ -212,7 +219,7 @@ def main() -> None:
                              if "torch_ms" in rec else ""), flush=True)
                 if n_req == 32 and kind == "lm" and not (args.quick or args.no_sweep):
                     greedy_t = torch.zeros_like(temperature)
-                    for cfg in (FULL_SWEEP if args.full_sweep else SWEEP):
+                    for cfg in ([] if args.threshold_only else FULL_SWEEP if args.full_sweep else SWEEP):
                         for mode, t in (("sweep", temperature), ("sweep greedy", greedy_t)):
                             def run(x, cfg=cfg, t=t):
                                 return rs.row_stats_rows(x, row_request, row_position, t,
@@ -225,7 +232,9 @@ def main() -> None:
                             results.append(rec)
                             print(f"  {mode} {cfg}: {ms:.3f} ms {rec['tbps']:.2f} TB/s", flush=True)
                     threshold_sweep = THRESHOLD_SWEEP if dtype == torch.float32 else THRESHOLD_SWEEP[:1]
-                    for tcfg in (threshold_sweep if args.threshold_sweep else []):
+                    if args.threshold_only:
+                        threshold_sweep = REGISTER_SWEEP
+                    for tcfg in (threshold_sweep if args.threshold_sweep or args.threshold_only else []):
                         def run(x, tcfg=tcfg):
                             return rs.row_stats_rows(x, row_request, row_position, temperature,
                                                      seeds, draws, top_k=top_k, top_p=top_p,
@@ -236,12 +245,13 @@ def main() -> None:
                                    config=tcfg, ms=ms, tbps=nbytes / (ms * 1e-3) / 1e12)
                         results.append(rec)
                         print(f"  sweep top-k/top-p {tcfg}: {ms:.3f} ms {rec['tbps']:.2f} TB/s", flush=True)
-                    unfiltered = bench_ms(lambda x: rs.row_stats_rows(
-                        x, row_request, row_position, temperature, seeds, draws,
-                        noise_filter=False), bufs)
-                    results.append(dict(dtype=dname, requests=n_req, data=kind, mode="no hash filter",
-                                        ms=unfiltered, tbps=nbytes / (unfiltered * 1e-3) / 1e12))
-                    print(f"  without the hash filter: {unfiltered:.3f} ms", flush=True)
+                    if not args.threshold_only:
+                        unfiltered = bench_ms(lambda x: rs.row_stats_rows(
+                            x, row_request, row_position, temperature, seeds, draws,
+                            noise_filter=False), bufs)
+                        results.append(dict(dtype=dname, requests=n_req, data=kind, mode="no hash filter",
+                                            ms=unfiltered, tbps=nbytes / (unfiltered * 1e-3) / 1e12))
+                        print(f"  without the hash filter: {unfiltered:.3f} ms", flush=True)
                 del bufs
                 torch.cuda.empty_cache()
 

@@ -289,14 +289,15 @@ def _largest_reaching(maxima, weight, target):
     """The largest sub-block maximum v with ``sum(weight where maxima >= v) >= target`` (-inf if
     none): the k-th largest maximum for a weight of 1 and target k. A bisection on the
     order-preserving int keys, 32 steps at most, instead of sorting the table: the answer is
-    the same value a sort would give (F only changes at table values)."""
+    the same value a sort would give (F only changes at table values). Counts come as int32
+    weights: their sums are integer reductions, not the fp64 ones a mass needs."""
     keys = ordered_key(maxima).to(tl.int64)
     lo = tl.min(keys, 0)
     hi = tl.max(keys, 0)
     found = tl.sum(weight, 0) >= target
     while lo < hi:  # invariant: F(lo) >= target (when found)
         mid = lo + (hi - lo + 1) // 2
-        if tl.sum(tl.where(keys >= mid, weight, 0.0), 0) >= target:
+        if tl.sum(tl.where(keys >= mid, weight, tl.zeros_like(weight)), 0) >= target:
             lo = mid
         else:
             hi = mid - 1
@@ -448,10 +449,11 @@ def _search_kernel(
                         # lower bounds from the table: the k-th largest sub-block maximum is at
                         # most the k-th largest value; the sub-block maxima >= v carry at
                         # least their own mass
-                        tw = tl.where(maxima >= t_k, tl.exp2(tl.maximum((maxima - m1) * LOG2E, U_FLOOR)), 0.0)
-                        weight = tl.where(is_mass, tw.to(tl.float64), 1.0)
-                        lo = _largest_reaching(maxima, weight, target)
-                        lo = tl.where(is_mass, tl.maximum(lo, t_k), lo)
+                        if is_mass:
+                            tw = tl.where(maxima >= t_k, tl.exp2(tl.maximum((maxima - m1) * LOG2E, U_FLOOR)), 0.0)
+                            lo = tl.maximum(_largest_reaching(maxima, tw.to(tl.float64), target), t_k)
+                        else:
+                            lo = _largest_reaching(maxima, tl.full(maxima.shape, 1, tl.int32), k)
                         if (lo == NEG_INF) & (ranged == 0):
                             n_valid, x_min, top, z1_row = _range_pass(row_ptr, allowed_row, vocab, m1,
                                                                       SOFTCAP, HAS_ALLOWED, TILE)
@@ -595,11 +597,11 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _programs(n_rows: int, device: torch.device) -> int:
+def _programs(n_rows: int, device: torch.device, per_sm: int = 4) -> int:
     """Persistent grid: a few programs per SM, each walking rows (scratch is per program)."""
     if device.type != "cuda":
         return max(1, min(n_rows, 4))
-    return max(1, min(n_rows, 4 * _sm_count(device.index or 0)))
+    return max(1, min(n_rows, per_sm * _sm_count(device.index or 0)))
 
 
 def threshold_rows(logits, row_request, row_position, temperature, inv_t, seeds, draws, out, *,
@@ -607,7 +609,7 @@ def threshold_rows(logits, row_request, row_position, temperature, inv_t, seeds,
                    sample_block: int, sample_key=None,
                    sub: int = 256, scan_tile: int = 2048, scan_warps: int = 4, scan_stages: int = 4,
                    tile: int = 2048, group: int = 4, cap: int = 256, pivots: int = 16,
-                   num_warps: int = 4):
+                   num_warps: int = 4, programs_per_sm: int = 5, maxnreg="auto"):
     """Fill ``out.threshold``; finish the statistics of rows whose kept set is small.
 
     Returns the int8 ``done`` flags ([N]) that tell ``row_stats`` which rows are finished.
@@ -619,6 +621,14 @@ def threshold_rows(logits, row_request, row_position, temperature, inv_t, seeds,
     0.9 at 32 requests): a 256-entry candidate buffer and 4 warps take the search from 2.7 to
     1.7 ms (fp32 logits): its sort is a quarter of the size, and the kernel neither spills
     nor runs alone on its SM. Rows with more than 256 candidates take the pivot passes.
+    The search is bound by its latency per row (Nsight Compute: 41% of issue slots busy with 2
+    programs per SM at 255 registers; ``ncu-h200-2026-12-03.md``). Once the rows outnumber what
+    fits uncapped (2 programs per SM), ``maxnreg="auto"`` caps the registers at 96: it spills,
+    but 5 programs per SM hide more latency (32 requests, whole top-k/top-p pass: fp32 3.17 ->
+    2.86 ms, bf16 2.47 -> 2.15 ms; 128 registers and 4 programs: 2.94 / 2.23 ms;
+    ``row_stats-h200-v16-threshold.log``). With fewer rows each program's latency is all there
+    is and the cap would only add spills (1 request, fp32: 0.33 ms uncapped, 0.42 at 128).
+    The cap changes no bit (``test_gpu_search_register_cap_changes_no_bit``).
     """
     n_rows, vocab = logits.shape
     dev = logits.device
@@ -643,7 +653,10 @@ def threshold_rows(logits, row_request, row_position, temperature, inv_t, seeds,
         max_table, mass_table, n_sub, out.has_nan, vocab,
         SUB=sub, TILE=scan_tile, NUM_STAGES=scan_stages, num_warps=scan_warps, **flags,
     )
-    programs = _programs(n_rows, dev)
+    if maxnreg == "auto":
+        many_rows = dev.type == "cuda" and n_rows > 2 * _sm_count(dev.index or 0)
+        maxnreg = 96 if many_rows else None
+    programs = _programs(n_rows, dev, programs_per_sm)
     cand = torch.empty(programs, cap, dtype=torch.int64, device=dev)
     subs = torch.empty(programs, nsub_pad, dtype=torch.int32, device=dev)
     _search_kernel[(programs,)](
@@ -663,5 +676,6 @@ def threshold_rows(logits, row_request, row_position, temperature, inv_t, seeds,
         HAS_SAMPLE_KEY=sample_key is not None, SAMPLE_BLOCK=sample_block,
         SUB=sub, TILE=tile, GROUP=group, NSUB_PAD=nsub_pad, CAP=cap, PIVOTS=pivots,
         MAX_ROUNDS=40, num_warps=num_warps, **flags,
+        **({"maxnreg": maxnreg} if maxnreg and dev.type == "cuda" else {}),
     )
     return done

@@ -602,3 +602,26 @@ def test_gpu_descriptor_walk_changes_no_bit(dtype):
         for name in ("argmax", "sample", "entropy", "lse", "has_nan", "threshold"):
             assert torch.equal(getattr(other, name), getattr(base, name)), (name, kw)
         assert torch.equal(other_key, base_key), kw
+
+
+@pytest.mark.gpu
+def test_gpu_search_register_cap_changes_no_bit():
+    """The top-k / top-p search under its register cap (96 registers, spilling, 5 programs per
+    SM: the default for many rows), uncapped (255 registers, 2 per SM), and at 128 registers
+    with 4 programs per SM: every output bit-identical."""
+    n_req, width = 6, 256
+    data = _gpu_rows(n_req, width, 262144, torch.bfloat16, 25)
+    top_k = torch.tensor([0, 50, 1, 2000, 20, 0], device="cuda")
+    top_p = torch.tensor([0.9, 1.0, 0.8, 0.5, 0.95, 1.0], device="cuda")
+
+    def run(threshold_cfg):
+        key = torch.empty(n_req * width, device="cuda")
+        stats = rs.row_stats_rows(*data, config=dict(threshold=threshold_cfg), sample_key=key,
+                                  top_k=top_k, top_p=top_p)
+        return stats.as_tuple() + (key,)
+
+    base = run(dict(maxnreg=96))
+    for cfg in (dict(maxnreg=None), dict(maxnreg=128, programs_per_sm=4)):
+        got = run(cfg)
+        for i, (a, b) in enumerate(zip(got, base)):
+            assert torch.equal(a, b), (cfg, i)
