@@ -56,9 +56,11 @@ from .logit_row import (
     U_FLOOR,
     finish_stats,
     from_ordered_key,
+    interpreting,
     ordered_key,
     pack_value_id,
     scaled,
+    scatter_store,
     softcapped,
     unpack_value_id,
 )
@@ -110,7 +112,7 @@ def _in_bracket(x, valid, lo, hi):
 @triton.jit
 def _collect(row_ptr, allowed_row, subs_ptr, q, cand_ptr, vocab, lo, hi,
              SOFTCAP: tl.constexpr, HAS_ALLOWED: tl.constexpr,
-             SUB: tl.constexpr, GROUP: tl.constexpr, CAP: tl.constexpr):
+             SUB: tl.constexpr, GROUP: tl.constexpr, CAP: tl.constexpr, INTERPRET: tl.constexpr):
     """Write the entries in [lo, hi) (packed value/id) to scratch; return how many there are.
 
     Only the ``q`` sub-blocks whose maximum reaches ``lo`` are read.
@@ -128,7 +130,7 @@ def _collect(row_ptr, allowed_row, subs_ptr, q, cand_ptr, vocab, lo, hi,
                                          SOFTCAP, HAS_ALLOWED)
         flag = _in_bracket(x, valid, lo, hi).to(tl.int32)
         pos = count + tl.cumsum(flag, 0) - flag
-        tl.store(cand_ptr + pos, pack_value_id(x, idx), mask=(flag != 0) & (pos < CAP))
+        scatter_store(cand_ptr + pos, pack_value_id(x, idx), (flag != 0) & (pos < CAP), INTERPRET)
         count += tl.sum(flag, 0)
         idx, x, valid = idx_next, x_next, valid_next
     return count
@@ -176,7 +178,8 @@ def _bracket_search(row_ptr, allowed_row, subs_ptr, maxima, cand_ptr, vocab,
                     lo, n, target, m1, top, is_mass,
                     SOFTCAP: tl.constexpr, HAS_ALLOWED: tl.constexpr,
                     SUB: tl.constexpr, GROUP: tl.constexpr,
-                    CAP: tl.constexpr, PIVOTS: tl.constexpr, MAX_ROUNDS: tl.constexpr):
+                    CAP: tl.constexpr, PIVOTS: tl.constexpr, MAX_ROUNDS: tl.constexpr,
+                    INTERPRET: tl.constexpr):
     """Narrow [lo, +inf) until at most CAP entries are left in the bracket; collect them.
 
     F is the count (or, with ``is_mass``, the mass) of the entries >= v. ``lo`` must be valid
@@ -192,7 +195,7 @@ def _bracket_search(row_ptr, allowed_row, subs_ptr, maxima, cand_ptr, vocab,
     while (n > CAP) & (rounds < MAX_ROUNDS) & (lo < top):
         hi_eff = tl.minimum(hi, top)
         piv = _pivots(lo, hi_eff, hi == POS_INF, PIVOTS)
-        cnt, mass = _pivot_pass(row_ptr, allowed_row, subs_ptr, _reaching(maxima, lo, subs_ptr), vocab, lo,
+        cnt, mass = _pivot_pass(row_ptr, allowed_row, subs_ptr, _reaching(maxima, lo, subs_ptr, INTERPRET), vocab, lo,
                                 hi, piv, m1, SOFTCAP, HAS_ALLOWED, SUB, PIVOTS)
         reached = tl.where(is_mass, w_hi + mass.to(tl.float64), (c_hi + cnt).to(tl.float64))
         ok = reached >= target
@@ -216,8 +219,8 @@ def _bracket_search(row_ptr, allowed_row, subs_ptr, maxima, cand_ptr, vocab,
         # one float left in [lo, hi): only ties at lo remain
         single_value = ordered_key(tl.minimum(hi, FLT_MAX)) - ordered_key(lo) <= 1
         if n <= CAP:
-            n = _collect(row_ptr, allowed_row, subs_ptr, _reaching(maxima, lo, subs_ptr), cand_ptr, vocab,
-                         lo, hi, SOFTCAP, HAS_ALLOWED, SUB, GROUP, CAP)
+            n = _collect(row_ptr, allowed_row, subs_ptr, _reaching(maxima, lo, subs_ptr, INTERPRET), cand_ptr, vocab,
+                         lo, hi, SOFTCAP, HAS_ALLOWED, SUB, GROUP, CAP, INTERPRET)
         elif single_value:
             rounds = MAX_ROUNDS  # only ties at lo are left: t = lo
     return lo, hi, c_hi, w_hi, n
@@ -272,14 +275,14 @@ def _at(values, slot_wanted, CAP: tl.constexpr):
 
 
 @triton.jit
-def _reaching(maxima, lo, subs_ptr):
+def _reaching(maxima, lo, subs_ptr, INTERPRET: tl.constexpr):
     """List the sub-blocks whose maximum (``maxima``, one per sub-block, -inf padded) is
     >= lo in scratch, in index order (a prefix sum, no sort); return how many there are."""
     slot = tl.arange(0, maxima.shape[0])
     flag = (maxima >= lo).to(tl.int32)
     pos = tl.cumsum(flag, 0) - flag
     tl.debug_barrier()  # the previous list may still be read
-    tl.store(subs_ptr + pos, slot, mask=flag != 0)
+    scatter_store(subs_ptr + pos, slot, flag != 0, INTERPRET)
     tl.debug_barrier()
     return tl.sum(flag, 0)
 
@@ -376,6 +379,7 @@ def _search_kernel(
     HAS_SAMPLE_KEY: tl.constexpr, SAMPLE_BLOCK: tl.constexpr,
     SUB: tl.constexpr, TILE: tl.constexpr, GROUP: tl.constexpr, NSUB_PAD: tl.constexpr,
     CAP: tl.constexpr, PIVOTS: tl.constexpr, MAX_ROUNDS: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     """Steps 2 and 3 per row (persistent programs: the candidate scratch is per program).
 
@@ -463,8 +467,8 @@ def _search_kernel(
                             lo = x_min  # no bound from the table: start from the whole row
                         n = tl.full((), 0, tl.int32)
                         if lo > NEG_INF:
-                            n = _collect(row_ptr, allowed_row, subs_ptr, _reaching(maxima, lo, subs_ptr), cand_ptr,
-                                         vocab, lo, POS_INF, SOFTCAP, HAS_ALLOWED, SUB, GROUP, CAP)
+                            n = _collect(row_ptr, allowed_row, subs_ptr, _reaching(maxima, lo, subs_ptr, INTERPRET), cand_ptr,
+                                         vocab, lo, POS_INF, SOFTCAP, HAS_ALLOWED, SUB, GROUP, CAP, INTERPRET)
                         if (n > CAP) & (ranged == 0):
                             n_valid, x_min, top, z1_row = _range_pass(row_ptr, allowed_row, vocab, m1,
                                                                       SOFTCAP, HAS_ALLOWED, TILE)
@@ -478,7 +482,7 @@ def _search_kernel(
                                 lo, hi, c_hi, w_hi, n = _bracket_search(
                                     row_ptr, allowed_row, subs_ptr, maxima, cand_ptr, vocab, lo, n,
                                     target, m1, top, is_mass, SOFTCAP, HAS_ALLOWED, SUB, GROUP,
-                                    CAP, PIVOTS, MAX_ROUNDS)
+                                    CAP, PIVOTS, MAX_ROUNDS, INTERPRET)
                             t = lo  # more than CAP entries tie at lo
                             if n <= CAP:
                                 tl.debug_barrier()
@@ -502,7 +506,7 @@ def _search_kernel(
                                 else:
                                     # ties beyond CAP: one pass for the size and mass of K
                                     cnt_k, mass_k = _pivot_pass(
-                                        row_ptr, allowed_row, subs_ptr, _reaching(maxima, t_k, subs_ptr), vocab,
+                                        row_ptr, allowed_row, subs_ptr, _reaching(maxima, t_k, subs_ptr, INTERPRET), vocab,
                                         t_k, POS_INF, tl.zeros([PIVOTS], tl.float32) + t_k, m1,
                                         SOFTCAP, HAS_ALLOWED, SUB, PIVOTS)
                                     w_k = tl.max(mass_k, 0).to(tl.float64)
@@ -675,7 +679,7 @@ def threshold_rows(logits, row_request, row_position, temperature, inv_t, seeds,
         HAS_COLUMN_TOKENS=column_tokens is not None,
         HAS_SAMPLE_KEY=sample_key is not None, SAMPLE_BLOCK=sample_block,
         SUB=sub, TILE=tile, GROUP=group, NSUB_PAD=nsub_pad, CAP=cap, PIVOTS=pivots,
-        MAX_ROUNDS=40, num_warps=num_warps, **flags,
+        MAX_ROUNDS=40, INTERPRET=interpreting(), num_warps=num_warps, **flags,
         **({"maxnreg": maxnreg} if maxnreg and dev.type == "cuda" else {}),
     )
     return done
