@@ -628,10 +628,11 @@ def threshold_rows(logits, row_request, row_position, temperature, inv_t, seeds,
     The search is bound by its latency per row (Nsight Compute: 41% of issue slots busy with 2
     programs per SM at 255 registers; ``ncu-h200-2026-12-03.md``). Once the rows outnumber what
     fits uncapped (2 programs per SM), ``maxnreg="auto"`` caps the registers at 96: it spills,
-    but 5 programs per SM hide more latency (32 requests, whole top-k/top-p pass: fp32 3.17 ->
-    2.86 ms, bf16 2.47 -> 2.15 ms; 128 registers and 4 programs: 2.94 / 2.23 ms;
-    ``row_stats-h200-v16-threshold.log``). With fewer rows each program's latency is all there
-    is and the cap would only add spills (1 request, fp32: 0.33 ms uncapped, 0.42 at 128).
+    but 5 programs per SM hide more latency (32 requests, whole top-k/top-p pass: fp32 3.13 ->
+    2.67 ms, bf16 2.39 -> 2.01 ms; 128 registers and 4 programs: 2.75 / 2.06 ms;
+    ``row_stats-h200-v18-threshold.log``). With fewer rows each program's latency is all there
+    is and the cap would only add spills (1 request, fp32: 0.33 ms uncapped, 0.42 at 128,
+    ``row_stats-h200-v15.log`` / ``-v16.log``).
     The cap changes no bit (``test_gpu_search_register_cap_changes_no_bit``).
     """
     n_rows, vocab = logits.shape
