@@ -64,11 +64,14 @@ def scatter_store(ptrs, values, mask, INTERPRET: tl.constexpr):
     if INTERPRET:
         tl.store(ptrs, values, mask=mask)
     else:
+        # $0 a dummy result, $1 the address, $2 the value, $3 the mask
         if values.dtype.primitive_bitwidth == 64:
-            asm: tl.constexpr = "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b64 [$1], $2; mov.b32 $0, 0; }"
+            asm: tl.constexpr = ("{ .reg .pred p; setp.ne.b32 p, $3, 0; "
+                                 "@p st.global.b64 [$1], $2; mov.b32 $0, 0; }")
             constraints: tl.constexpr = "=r,l,l,r"
         else:
-            asm: tl.constexpr = "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b32 [$1], $2; mov.b32 $0, 0; }"
+            asm: tl.constexpr = ("{ .reg .pred p; setp.ne.b32 p, $3, 0; "
+                                 "@p st.global.b32 [$1], $2; mov.b32 $0, 0; }")
             constraints: tl.constexpr = "=r,l,r,r"
         tl.inline_asm_elementwise(asm, constraints, [ptrs.to(tl.int64), values, mask.to(tl.int32)],
                                   dtype=tl.int32, is_pure=False, pack=1)

@@ -195,8 +195,9 @@ def _bracket_search(row_ptr, allowed_row, subs_ptr, maxima, cand_ptr, vocab,
     while (n > CAP) & (rounds < MAX_ROUNDS) & (lo < top):
         hi_eff = tl.minimum(hi, top)
         piv = _pivots(lo, hi_eff, hi == POS_INF, PIVOTS)
-        cnt, mass = _pivot_pass(row_ptr, allowed_row, subs_ptr, _reaching(maxima, lo, subs_ptr, INTERPRET), vocab, lo,
-                                hi, piv, m1, SOFTCAP, HAS_ALLOWED, SUB, PIVOTS)
+        q = _reaching(maxima, lo, subs_ptr, INTERPRET)
+        cnt, mass = _pivot_pass(row_ptr, allowed_row, subs_ptr, q, vocab, lo, hi, piv, m1, SOFTCAP,
+                                HAS_ALLOWED, SUB, PIVOTS)
         reached = tl.where(is_mass, w_hi + mass.to(tl.float64), (c_hi + cnt).to(tl.float64))
         ok = reached >= target
         # Pivots ascend and F falls, so ok is True up to some pivot: the new bracket.
@@ -219,8 +220,9 @@ def _bracket_search(row_ptr, allowed_row, subs_ptr, maxima, cand_ptr, vocab,
         # one float left in [lo, hi): only ties at lo remain
         single_value = ordered_key(tl.minimum(hi, FLT_MAX)) - ordered_key(lo) <= 1
         if n <= CAP:
-            n = _collect(row_ptr, allowed_row, subs_ptr, _reaching(maxima, lo, subs_ptr, INTERPRET), cand_ptr, vocab,
-                         lo, hi, SOFTCAP, HAS_ALLOWED, SUB, GROUP, CAP, INTERPRET)
+            q = _reaching(maxima, lo, subs_ptr, INTERPRET)
+            n = _collect(row_ptr, allowed_row, subs_ptr, q, cand_ptr, vocab, lo, hi, SOFTCAP,
+                         HAS_ALLOWED, SUB, GROUP, CAP, INTERPRET)
         elif single_value:
             rounds = MAX_ROUNDS  # only ties at lo are left: t = lo
     return lo, hi, c_hi, w_hi, n
@@ -454,7 +456,8 @@ def _search_kernel(
                         # most the k-th largest value; the sub-block maxima >= v carry at
                         # least their own mass
                         if is_mass:
-                            tw = tl.where(maxima >= t_k, tl.exp2(tl.maximum((maxima - m1) * LOG2E, U_FLOOR)), 0.0)
+                            tw = tl.where(maxima >= t_k,
+                                          tl.exp2(tl.maximum((maxima - m1) * LOG2E, U_FLOOR)), 0.0)
                             lo = tl.maximum(_largest_reaching(maxima, tw.to(tl.float64), target), t_k)
                         else:
                             lo = _largest_reaching(maxima, tl.full(maxima.shape, 1, tl.int32), k)
@@ -467,8 +470,9 @@ def _search_kernel(
                             lo = x_min  # no bound from the table: start from the whole row
                         n = tl.full((), 0, tl.int32)
                         if lo > NEG_INF:
-                            n = _collect(row_ptr, allowed_row, subs_ptr, _reaching(maxima, lo, subs_ptr, INTERPRET), cand_ptr,
-                                         vocab, lo, POS_INF, SOFTCAP, HAS_ALLOWED, SUB, GROUP, CAP, INTERPRET)
+                            q = _reaching(maxima, lo, subs_ptr, INTERPRET)
+                            n = _collect(row_ptr, allowed_row, subs_ptr, q, cand_ptr, vocab, lo,
+                                         POS_INF, SOFTCAP, HAS_ALLOWED, SUB, GROUP, CAP, INTERPRET)
                         if (n > CAP) & (ranged == 0):
                             n_valid, x_min, top, z1_row = _range_pass(row_ptr, allowed_row, vocab, m1,
                                                                       SOFTCAP, HAS_ALLOWED, TILE)
@@ -506,7 +510,8 @@ def _search_kernel(
                                 else:
                                     # ties beyond CAP: one pass for the size and mass of K
                                     cnt_k, mass_k = _pivot_pass(
-                                        row_ptr, allowed_row, subs_ptr, _reaching(maxima, t_k, subs_ptr, INTERPRET), vocab,
+                                        row_ptr, allowed_row, subs_ptr,
+                                        _reaching(maxima, t_k, subs_ptr, INTERPRET), vocab,
                                         t_k, POS_INF, tl.zeros([PIVOTS], tl.float32) + t_k, m1,
                                         SOFTCAP, HAS_ALLOWED, SUB, PIVOTS)
                                     w_k = tl.max(mass_k, 0).to(tl.float64)
