@@ -60,6 +60,82 @@ def _mixed_exp2(pack: int) -> str:
             f" is_pure=True, pack={pack})\n\n\n")
 
 
+# The logits by pointer loads straight into registers, one K step ahead, instead of TMA into
+# shared memory and a read back: each logits tile is used once, by the prologue, and staging
+# it costs shared-memory bandwidth (TMA write + LDS: with fp32 logits 64 of the ~190 KB a K
+# step moves through shared memory, where wgmma reads the E tile once per warpgroup). E keeps
+# its TMA pipeline, which gains the stages the logits tiles freed. Measured slower, with the
+# same output: 72% -> 62% of cuBLAS from fp32 logits, 68% -> 66% from bf16, 230 / 212
+# registers (bench/results/soft_embedding-diag-h200-v10.log): shared-memory bandwidth is not
+# what holds the kernel back.
+_SRC_TEXT = open(SRC).read()
+_ISSUE_TO_KERNEL = _SRC_TEXT[_SRC_TEXT.index("@gluon.jit\ndef _issue("):
+                             _SRC_TEXT.index("@gluon.jit\ndef soft_embedding_wgmma_kernel(")]
+_LDG_LOOP = """@gluon.jit
+def _issue(x_desc, e_desc, x_bufs, e_bufs, bars, kb, stage, row0, col0, BK: gl.constexpr,
+           pred=True):
+    \"\"\"TMA load of K block ``kb``'s E tile into ``stage`` (the logits come by pointer loads).\"\"\"
+    bar = bars.index(stage)
+    mbarrier.expect(bar, e_desc.block_type.nbytes, pred)
+    _tma_load(e_desc, [kb * BK, col0], bar, e_bufs.index(stage), pred)
+
+
+@gluon.jit
+def _x_tile(x_rows, row_ok, kb, v_local, BK: gl.constexpr, tile_layout: gl.constexpr):
+    \"\"\"Logits tile of K block ``kb`` in ``tile_layout`` (0 past the rows and the slice).\"\"\"
+    cols = kb * BK + gl.arange(0, BK, layout=gl.SliceLayout(0, tile_layout))
+    ptrs = x_rows + gl.expand_dims(cols, 0)
+    mask = row_ok & gl.expand_dims(cols < v_local, 0)
+    return gl.load(ptrs, mask=mask, other=0.0)
+
+
+@gluon.jit
+def _k_loop(x_desc, e_desc, x_bufs, e_bufs, p_bufs, bars, acc, kb_begin, n_k, row0, col0,
+            inv_t, neg_lse2, threshold, tile_layout: gl.constexpr, THRESHOLD: gl.constexpr,
+            STAGES: gl.constexpr, BK: gl.constexpr, x_rows, row_ok, v_local):
+    for i in gl.static_range(STAGES - 1):
+        _issue(x_desc, e_desc, x_bufs, e_bufs, bars, kb_begin + i, i, row0, col0, BK, i < n_k)
+    x_next = _x_tile(x_rows, row_ok & (n_k > 0), kb_begin, v_local, BK, tile_layout)
+    for i in range(n_k):
+        stage = i % STAGES
+        x = x_next.to(gl.float32)
+        x_next = _x_tile(x_rows, row_ok & (i + 1 < n_k), kb_begin + i + 1, v_local, BK, tile_layout)
+        mbarrier.wait(bars.index(stage), (i // STAGES) & 1)
+        d2 = gl.fma(x * gl.expand_dims(inv_t, 1), LOG2E, gl.expand_dims(neg_lse2, 1))
+        if THRESHOLD:
+            d2 = gl.where(x >= gl.expand_dims(threshold, 1), d2, float("-inf"))
+        p = _exp2_ftz(gl.minimum(d2, 0.0, propagate_nan=tl.PropagateNan.ALL))
+        p = _nan_to_zero(p.to(e_desc.dtype))
+        p_buf = p_bufs.index(i % 2)
+        p_buf.store(p)
+        fence_async_shared()
+        _cta_barrier()
+        acc = warpgroup_mma(p_buf, e_bufs.index(stage), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+        _cta_barrier()
+        ahead = i + STAGES - 1
+        if ahead < n_k:
+            _issue(x_desc, e_desc, x_bufs, e_bufs, bars, kb_begin + ahead, ahead % STAGES, row0,
+                   col0, BK)
+    return warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+
+
+"""
+LDG_LOGITS = [
+    (_ISSUE_TO_KERNEL, _LDG_LOOP),
+    ("    x_desc, e_desc,                               # TMA: local logits [N, V_local], E [V_local, H]\n",
+     "    x_desc, e_desc, x_ptr, stride_x,\n"),
+    ("    x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK], x_desc.layout)\n",
+     "    x_bufs = 0  # unused: the logits come by pointer loads\n"
+     "    x_rows = x_ptr + gl.expand_dims(rows.to(gl.int64) * stride_x, 1)\n"
+     "    row_ok = gl.expand_dims(rows < n_rows, 1)\n"),
+    ("                  neg_lse2, threshold, tile_layout, HAS_THRESHOLD, STAGES, BK)",
+     "                  neg_lse2, threshold, tile_layout, HAS_THRESHOLD, STAGES, BK, x_rows, row_ok, v_local)"),
+    ("        x_desc, e_desc, row_request, inv_t, lse,", "        x_desc, e_desc, local, logits.stride(0), row_request, inv_t, lse,"),
+    ("    per_stage = BLOCK_M * BLOCK_K * logits_dtype.itemsize + BLOCK_K * BLOCK_N * embed_dtype.itemsize",
+     "    per_stage = BLOCK_K * BLOCK_N * embed_dtype.itemsize"),
+]
+
 # name -> list of (old, new) substitutions
 VARIANTS = {
     "base": [],
@@ -98,9 +174,12 @@ VARIANTS = {
 """)],
     # exp2 of one entry in 2 (poly2) or 4 (poly4) by a degree-5 polynomial on the FMA pipe
     # (Cody-Waite split, exponent by integer add; 3.3e-6 relative), the rest by MUFU.EX2:
-    # does moving work off the MUFU pipe shorten the prologue?
+    # does moving work off the MUFU pipe shorten the prologue? No: 72% -> 62% (poly2) and 67%
+    # (poly4) of cuBLAS from fp32 logits (bench/results/soft_embedding-diag-h200-v9.log)
     "poly2": [(NAN_TO_ZERO, _mixed_exp2(2) + NAN_TO_ZERO), (EXP, MIXED_EXP)],
     "poly4": [(NAN_TO_ZERO, _mixed_exp2(4) + NAN_TO_ZERO), (EXP, MIXED_EXP)],
+    # the logits by pointer loads into registers, one K step ahead (LDG_LOGITS above)
+    "ldg_logits": LDG_LOGITS,
     # BLOCK_K 32 with up to 8 stages (a deeper TMA lookahead in bytes-ahead terms)
     "bk32": [("BLOCK_M, BLOCK_N, BLOCK_K = 128, 256, 64", "BLOCK_M, BLOCK_N, BLOCK_K = 128, 256, 32"),
              ("return max(2, min(4,", "return max(2, min(8,")],
