@@ -68,19 +68,7 @@ def _mixed_exp2(pack: int) -> str:
 # same output: 72% -> 62% of cuBLAS from fp32 logits, 68% -> 66% from bf16, 230 / 212
 # registers (bench/results/soft_embedding-diag-h200-v10.log): shared-memory bandwidth is not
 # what holds the kernel back.
-_SRC_TEXT = open(SRC).read()
-_ISSUE_TO_KERNEL = _SRC_TEXT[_SRC_TEXT.index("@gluon.jit\ndef _issue("):
-                             _SRC_TEXT.index("@gluon.jit\ndef soft_embedding_wgmma_kernel(")]
-_LDG_LOOP = """@gluon.jit
-def _issue(x_desc, e_desc, x_bufs, e_bufs, bars, kb, stage, row0, col0, BK: gl.constexpr,
-           pred=True):
-    \"\"\"TMA load of K block ``kb``'s E tile into ``stage`` (the logits come by pointer loads).\"\"\"
-    bar = bars.index(stage)
-    mbarrier.expect(bar, e_desc.block_type.nbytes, pred)
-    _tma_load(e_desc, [kb * BK, col0], bar, e_bufs.index(stage), pred)
-
-
-@gluon.jit
+_X_TILE = """@gluon.jit
 def _x_tile(x_rows, row_ok, kb, v_local, BK: gl.constexpr, tile_layout: gl.constexpr):
     \"\"\"Logits tile of K block ``kb`` in ``tile_layout`` (0 past the rows and the slice).\"\"\"
     cols = kb * BK + gl.arange(0, BK, layout=gl.SliceLayout(0, tile_layout))
@@ -89,40 +77,19 @@ def _x_tile(x_rows, row_ok, kb, v_local, BK: gl.constexpr, tile_layout: gl.const
     return gl.load(ptrs, mask=mask, other=0.0)
 
 
-@gluon.jit
-def _k_loop(x_desc, e_desc, x_bufs, e_bufs, p_bufs, bars, acc, kb_begin, n_k, row0, col0,
-            inv_t, neg_lse2, threshold, tile_layout: gl.constexpr, THRESHOLD: gl.constexpr,
-            STAGES: gl.constexpr, BK: gl.constexpr, x_rows, row_ok, v_local):
-    for i in gl.static_range(STAGES - 1):
-        _issue(x_desc, e_desc, x_bufs, e_bufs, bars, kb_begin + i, i, row0, col0, BK, i < n_k)
-    x_next = _x_tile(x_rows, row_ok & (n_k > 0), kb_begin, v_local, BK, tile_layout)
-    for i in range(n_k):
-        stage = i % STAGES
-        x = x_next.to(gl.float32)
-        x_next = _x_tile(x_rows, row_ok & (i + 1 < n_k), kb_begin + i + 1, v_local, BK, tile_layout)
-        mbarrier.wait(bars.index(stage), (i // STAGES) & 1)
-        d2 = gl.fma(x * gl.expand_dims(inv_t, 1), LOG2E, gl.expand_dims(neg_lse2, 1))
-        if THRESHOLD:
-            d2 = gl.where(x >= gl.expand_dims(threshold, 1), d2, float("-inf"))
-        p = _exp2_ftz(gl.minimum(d2, 0.0, propagate_nan=tl.PropagateNan.ALL))
-        p = _nan_to_zero(p.to(e_desc.dtype))
-        p_buf = p_bufs.index(i % 2)
-        p_buf.store(p)
-        fence_async_shared()
-        _cta_barrier()
-        acc = warpgroup_mma(p_buf, e_bufs.index(stage), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-        _cta_barrier()
-        ahead = i + STAGES - 1
-        if ahead < n_k:
-            _issue(x_desc, e_desc, x_bufs, e_bufs, bars, kb_begin + ahead, ahead % STAGES, row0,
-                   col0, BK)
-    return warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-
-
 """
 LDG_LOGITS = [
-    (_ISSUE_TO_KERNEL, _LDG_LOOP),
+    (NAN_TO_ZERO, _X_TILE + NAN_TO_ZERO),
+    (EXPECT, "mbarrier.expect(bar, e_desc.block_type.nbytes, pred)"),
+    (X_TMA, ""),
+    ("            STAGES: gl.constexpr, BK: gl.constexpr):",
+     "            STAGES: gl.constexpr, BK: gl.constexpr, x_rows, row_ok, v_local):"),
+    ("    for i in range(n_k):\n        stage = i % STAGES\n        mbarrier.wait(bars.index(stage), (i // STAGES) & 1)\n"
+     "        " + LOAD + "\n",
+     "    x_next = _x_tile(x_rows, row_ok & (n_k > 0), kb_begin, v_local, BK, tile_layout)\n"
+     "    for i in range(n_k):\n        stage = i % STAGES\n        x = x_next.to(gl.float32)\n"
+     "        x_next = _x_tile(x_rows, row_ok & (i + 1 < n_k), kb_begin + i + 1, v_local, BK, tile_layout)\n"
+     "        mbarrier.wait(bars.index(stage), (i // STAGES) & 1)\n"),
     ("    x_desc, e_desc,                               # TMA: local logits [N, V_local], E [V_local, H]\n",
      "    x_desc, e_desc, x_ptr, stride_x,\n"),
     ("    x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK], x_desc.layout)\n",

@@ -606,7 +606,7 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _programs(n_rows: int, device: torch.device, per_sm: int = 4) -> int:
+def _programs(n_rows: int, device: torch.device, per_sm: int) -> int:
     """Persistent grid: a few programs per SM, each walking rows (scratch is per program)."""
     if device.type != "cuda":
         return max(1, min(n_rows, 4))
