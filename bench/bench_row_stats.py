@@ -20,10 +20,11 @@ no vocabulary block can be ruled out). ``greedy`` rows (T = 0) show the cost of 
 without noise. A config sweep at 32 requests (``lm`` data; greedy and sampling; ``--full-sweep``
 for more configs, ``--no-sweep`` to skip it) prints the best launch configuration of the
 stats pass (and, with ``--threshold-sweep``, of the top-k/top-p search; ``--threshold-only``
-runs just the 32-request ``lm`` cases, plain and with top-k/top-p, and the search's register-cap
-sweep, ``REGISTER_SWEEP``). Fresh machines
-compile every variant (the top-k/top-p search kernel takes ~25 s per variant); the default
-run is meant to stay near 3 minutes.
+runs just the 1- and 32-request ``lm`` cases, plain and with top-k/top-p, and the sweep of
+the search's own knobs, ``SEARCH_SWEEP``). Fresh machines compile every
+variant (the top-k/top-p search kernel takes ~25 s per variant; ``--threshold-only``
+compiles its variants first in parallel processes); the default run is meant to stay near 3
+minutes.
 """
 
 from __future__ import annotations
@@ -60,9 +61,12 @@ THRESHOLD_SWEEP = [  # top-k / top-p scan and search (each search variant compil
     dict(cap=256, num_warps=4, group=4), dict(cap=256, num_warps=4, group=8),
     dict(cap=256, num_warps=2, group=4), dict(cap=128, num_warps=4, group=4),
 ]
-# --threshold-only: the search's register cap (default at 32 requests: 96 registers, 5
-# programs per SM; None: 255 registers, 2 per SM) and smaller sub-blocks
-REGISTER_SWEEP = [dict(), dict(maxnreg=None), dict(maxnreg=128, programs_per_sm=4), dict(sub=128)]
+# --threshold-only: the search's warps per row and programs per SM, the sampling blocks its
+# candidate statistics weigh at once, and its candidate buffer; at 1 request the first two
+SEARCH_SWEEP = [dict(), dict(num_warps=4, programs_per_sm=5), dict(stats_blocks=32),
+                dict(stats_blocks=8), dict(num_warps=4, programs_per_sm=5, stats_blocks=8),
+                dict(cap=256), dict(programs_per_sm=8)]
+SEARCH_SWEEP_1REQ = SEARCH_SWEEP[:2]
 
 
 def make_logits(n_req: int, dtype: torch.dtype, kind: str, seed: int) -> torch.Tensor:
@@ -121,6 +125,42 @@ def kernel_ms(fn, bufs, reps: int = 10) -> dict[str, float]:
     return out
 
 
+def _precompile_one(case) -> str:
+    """Worker of ``precompile``: one top-k/top-p call on a few rows of the real width."""
+    dtype_name, n_rows, tcfg = case
+    dtype = getattr(torch, dtype_name)
+    n_req = -(-n_rows // WIDTH)
+    x = torch.randn(n_rows, VOCAB, device="cuda").to(dtype)
+    temperature, seeds, draws, row_request, row_position = request_params(n_req)
+    row_request = row_request[:n_rows].contiguous()
+    row_position = row_position[:n_rows].contiguous()
+    top_k = torch.full((n_req,), 50, device="cuda", dtype=torch.int64)
+    top_p = torch.full((n_req,), 0.9, device="cuda")
+    rs.row_stats_rows(x, row_request, row_position, temperature, seeds, draws, top_k=top_k,
+                      top_p=top_p, config=dict(threshold=tcfg))
+    torch.cuda.synchronize()
+    return f"{dtype_name} {n_rows} rows {tcfg}"
+
+
+def precompile(cases) -> None:
+    """Compile the top-k/top-p variants in parallel processes before timing anything.
+
+    Each search variant takes ~25 s to compile, mostly ptxas, one after another in a single
+    process; the processes share Triton's on-disk cache, so the timed runs find them built.
+    ``cases``: (dtype name, rows, threshold config); the rows (a multiple of 16, like the
+    timed shapes, so the integer specialisations match) decide the "auto" register cap.
+    """
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    t0 = time.time()
+    workers = max(1, min(len(cases), (os.cpu_count() or 2) - 1))
+    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+        for done in pool.map(_precompile_one, cases):
+            print(f"  compiled {done}", flush=True)
+    print(f"precompiled {len(cases)} variants in {time.time() - t0:.0f} s", flush=True)
+
+
 def copy_tbps() -> float:
     n = 4 * 2**30 // 4
     src = torch.randn(n, device="cuda")
@@ -171,7 +211,12 @@ def main() -> None:
     results: list[dict] = []
     copy = copy_tbps()
     print(f"device-to-device copy: {copy:.2f} TB/s (read + write)", flush=True)
-    sizes = [32] if args.quick or args.threshold_only else [1, 4, 16, 32]
+    sizes = [32] if args.quick else [1, 32] if args.threshold_only else [1, 4, 16, 32]
+    if args.threshold_only:
+        # 1040 rows pick the capped search ("auto") like 32 requests, 256 rows the uncapped one
+        precompile([(d, rows, cfg) for d in ("float32", "bfloat16")
+                    for rows, sweep in ((1040, SEARCH_SWEEP), (256, SEARCH_SWEEP_1REQ))
+                    for cfg in sweep])
     top_k_val, top_p_val = 50, 0.9
 
     for dtype in (torch.float32, torch.bfloat16):
@@ -201,7 +246,7 @@ def main() -> None:
                     rec = dict(dtype=dname, requests=n_req, data=kind, mode=mode, ms=ms,
                                tbps=nbytes / (ms * 1e-3) / 1e12)
                     rec["vs_copy"] = rec["tbps"] / copy
-                    if n_req <= 4 and mode != "greedy":
+                    if n_req <= 4 and mode != "greedy" and not args.threshold_only:
                         def ref(x, kw=kw, t=t):
                             return reference.row_stats_rows(x, row_request, row_position, t, seeds,
                                                             draws, **kw)
@@ -217,9 +262,11 @@ def main() -> None:
                           f"{rec['tbps']:5.2f} TB/s ({rec['vs_copy']:.2f} x copy)"
                           + (f"  torch {rec['torch_ms']:.2f} ms ({rec['speedup_vs_torch']:.1f}x)"
                              if "torch_ms" in rec else ""), flush=True)
-                if n_req == 32 and kind == "lm" and not (args.quick or args.no_sweep):
+                stats_sweep = n_req == 32 and kind == "lm" and not (
+                    args.quick or args.no_sweep or args.threshold_only)
+                if stats_sweep:
                     greedy_t = torch.zeros_like(temperature)
-                    for cfg in ([] if args.threshold_only else FULL_SWEEP if args.full_sweep else SWEEP):
+                    for cfg in (FULL_SWEEP if args.full_sweep else SWEEP):
                         for mode, t in (("sweep", temperature), ("sweep greedy", greedy_t)):
                             def run(x, cfg=cfg, t=t):
                                 return rs.row_stats_rows(x, row_request, row_position, t,
@@ -231,27 +278,32 @@ def main() -> None:
                             rec["vs_copy"] = rec["tbps"] / copy
                             results.append(rec)
                             print(f"  {mode} {cfg}: {ms:.3f} ms {rec['tbps']:.2f} TB/s", flush=True)
+                if args.threshold_only:
+                    threshold_sweep = SEARCH_SWEEP if n_req == 32 else SEARCH_SWEEP_1REQ
+                elif stats_sweep and args.threshold_sweep:
                     threshold_sweep = THRESHOLD_SWEEP if dtype == torch.float32 else THRESHOLD_SWEEP[:1]
-                    if args.threshold_only:
-                        threshold_sweep = REGISTER_SWEEP
-                    for tcfg in (threshold_sweep if args.threshold_sweep or args.threshold_only else []):
-                        def run(x, tcfg=tcfg):
-                            return rs.row_stats_rows(x, row_request, row_position, temperature,
-                                                     seeds, draws, top_k=top_k, top_p=top_p,
-                                                     config=dict(threshold=tcfg))
+                else:
+                    threshold_sweep = []
+                for tcfg in threshold_sweep:
+                    def run(x, tcfg=tcfg):
+                        return rs.row_stats_rows(x, row_request, row_position, temperature,
+                                                 seeds, draws, top_k=top_k, top_p=top_p,
+                                                 config=dict(threshold=tcfg))
 
-                        ms = bench_ms(run, bufs)
-                        rec = dict(dtype=dname, requests=n_req, data=kind, mode="sweep topk/topp",
-                                   config=tcfg, ms=ms, tbps=nbytes / (ms * 1e-3) / 1e12)
-                        results.append(rec)
-                        print(f"  sweep top-k/top-p {tcfg}: {ms:.3f} ms {rec['tbps']:.2f} TB/s", flush=True)
-                    if not args.threshold_only:
-                        unfiltered = bench_ms(lambda x: rs.row_stats_rows(
-                            x, row_request, row_position, temperature, seeds, draws,
-                            noise_filter=False), bufs)
-                        results.append(dict(dtype=dname, requests=n_req, data=kind, mode="no hash filter",
-                                            ms=unfiltered, tbps=nbytes / (unfiltered * 1e-3) / 1e12))
-                        print(f"  without the hash filter: {unfiltered:.3f} ms", flush=True)
+                    ms = bench_ms(run, bufs)
+                    rec = dict(dtype=dname, requests=n_req, data=kind, mode="sweep topk/topp",
+                               config=tcfg, ms=ms, tbps=nbytes / (ms * 1e-3) / 1e12)
+                    results.append(rec)
+                    print(f"  sweep top-k/top-p {tcfg}: {ms:.3f} ms {rec['tbps']:.2f} TB/s",
+                          flush=True)
+                if stats_sweep:
+                    unfiltered = bench_ms(lambda x: rs.row_stats_rows(
+                        x, row_request, row_position, temperature, seeds, draws,
+                        noise_filter=False), bufs)
+                    results.append(dict(dtype=dname, requests=n_req, data=kind,
+                                        mode="no hash filter", ms=unfiltered,
+                                        tbps=nbytes / (unfiltered * 1e-3) / 1e12))
+                    print(f"  without the hash filter: {unfiltered:.3f} ms", flush=True)
                 del bufs
                 torch.cuda.empty_cache()
 

@@ -16,14 +16,15 @@ target > F(>= hi)`` (``t`` lies in it) and the count and mass above ``hi``:
    each sub-block's mass, and the NaN flag. The table bounds the answer from below without
    touching the row again: the k-th largest sub-block maximum is at most the k-th largest
    value, and the sub-block maxima >= v carry at least their own mass. That ``lo`` usually
-   leaves a few hundred entries above it, in a few dozen sub-blocks. (Steps 2-3 run in
+   leaves a few dozen entries above it for k of a few dozen (about k sub-blocks reach it).
+   (Steps 2-3 run in
    ``_search_kernel``, persistent programs with a candidate buffer each.)
 2. Collect: one pass over the sub-blocks whose maximum reaches ``lo`` (the loads of the
    others are masked off) writes the entries in
    ``[lo, hi)`` (value and id packed in an int64) to scratch. If they are at most ``CAP``,
    they are sorted in registers and ``t`` is read off exactly: the position where the
    cumulative count (or fp64 mass) from ``hi`` down first reaches the target.
-3. Otherwise (a large kept set: top-p alone on a flat row, or k above a few hundred) pivot
+3. Otherwise (a large kept set: top-p alone on a flat row, or k above about 100) pivot
    passes narrow the bracket: ``PIVOTS`` values spaced evenly in value (or in the fp32 bit
    order once the bracket is a few ulps wide) get their counts and masses in one pass.
    Each pass shrinks the bracket by about ``PIVOTS + 1``; then step 2 runs. A bracket that
@@ -91,16 +92,19 @@ def _load_valid(row_ptr, allowed_row, idx, wanted, vocab, SOFTCAP: tl.constexpr,
 
 @triton.jit
 def _sub_block_tile(subs_ptr, j0, q, SUB: tl.constexpr, GROUP: tl.constexpr):
-    """Entry ids (and which are wanted) of the qualifying sub-blocks j0 .. j0 + GROUP - 1.
+    """Entry ids (and which are wanted) of the qualifying sub-blocks j0 .. j0 + GROUP - 1, a
+    [GROUP, SUB] tile.
 
     ``subs_ptr`` holds the ``q`` sub-blocks whose maximum reaches the current bound (listed by
-    ``_reaching``): the passes read those and nothing else.
+    ``_reaching``): the passes read those and nothing else. The tile stays 2-D so that each
+    row of it is known to be SUB contiguous entries: the loads are vectorized (a 1-D
+    reshape hides that and gives one scalar load per entry).
     """
     j = j0 + tl.arange(0, GROUP)
     sub_id = tl.load(subs_ptr + j, mask=j < q, other=0)
     idx = sub_id[:, None] * SUB + tl.arange(0, SUB)[None, :]
     wanted = tl.broadcast_to((j < q)[:, None], [GROUP, SUB])
-    return tl.reshape(idx, [GROUP * SUB]), tl.reshape(wanted, [GROUP * SUB])
+    return idx, wanted
 
 
 @triton.jit
@@ -129,9 +133,12 @@ def _collect(row_ptr, allowed_row, subs_ptr, q, cand_ptr, vocab, lo, hi,
         x_next, valid_next = _load_valid(row_ptr, allowed_row, idx_next, wanted_next, vocab,
                                          SOFTCAP, HAS_ALLOWED)
         flag = _in_bracket(x, valid, lo, hi).to(tl.int32)
-        pos = count + tl.cumsum(flag, 0) - flag
+        # slot of each entry: the ones before it in its sub-block, plus those in the
+        # sub-blocks before (the order is irrelevant: the candidates get sorted)
+        per_sub = tl.sum(flag, 1)
+        pos = count + (tl.cumsum(per_sub, 0) - per_sub)[:, None] + tl.cumsum(flag, 1) - flag
         scatter_store(cand_ptr + pos, pack_value_id(x, idx), (flag != 0) & (pos < CAP), INTERPRET)
-        count += tl.sum(flag, 0)
+        count += tl.sum(per_sub, 0)
         idx, x, valid = idx_next, x_next, valid_next
     return count
 
@@ -165,7 +172,7 @@ def _pivot_pass(row_ptr, allowed_row, subs_ptr, q, vocab, lo, hi, piv, m1,
     for j0 in range(0, q):
         idx, wanted = _sub_block_tile(subs_ptr, j0, q, SUB, 1)
         x, valid = _load_valid(row_ptr, allowed_row, idx, wanted, vocab, SOFTCAP, HAS_ALLOWED)
-        x = tl.where(_in_bracket(x, valid, lo, hi), x, NEG_INF)
+        x = tl.reshape(tl.where(_in_bracket(x, valid, lo, hi), x, NEG_INF), [SUB])
         w = tl.exp2(tl.maximum((x - m1) * LOG2E, U_FLOOR))
         above = x[:, None] >= piv[None, :]
         cnt += tl.sum(above.to(tl.int32), 0)
@@ -290,22 +297,33 @@ def _reaching(maxima, lo, subs_ptr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _largest_reaching(maxima, weight, target):
+def _largest_reaching(maxima, weight, target, WAYS: tl.constexpr):
     """The largest sub-block maximum v with ``sum(weight where maxima >= v) >= target`` (-inf if
-    none): the k-th largest maximum for a weight of 1 and target k. A bisection on the
-    order-preserving int keys, 32 steps at most, instead of sorting the table: the answer is
-    the same value a sort would give (F only changes at table values). Counts come as int32
-    weights: their sums are integer reductions, not the fp64 ones a mass needs."""
-    keys = ordered_key(maxima).to(tl.int64)
-    lo = tl.min(keys, 0)
-    hi = tl.max(keys, 0)
+    none): the k-th largest maximum for a weight of 1 and target k.
+
+    A search on the order-preserving int keys instead of a sort of the table: each round
+    weighs WAYS pivots spread over the remaining key range at once (one [n, WAYS]
+    compare-and-sum, one reduction) and keeps the part between the last pivot that reaches
+    the target and the first that does not, so 32 bits of key take about 32 / log2(WAYS + 1)
+    rounds, where a bisection takes 32 dependent reductions. The answer is the value a sort
+    would give (F only changes at table values). Counts come as int32 weights: their sums
+    are integer reductions, not the fp64 ones a mass needs.
+    """
+    keys = ordered_key(maxima)
+    lo = tl.min(keys, 0).to(tl.int64)  # the range arithmetic needs 33 bits
+    hi = tl.max(keys, 0).to(tl.int64)
     found = tl.sum(weight, 0) >= target
-    while lo < hi:  # invariant: F(lo) >= target (when found)
-        mid = lo + (hi - lo + 1) // 2
-        if tl.sum(tl.where(keys >= mid, weight, tl.zeros_like(weight)), 0) >= target:
-            lo = mid
-        else:
-            hi = mid - 1
+    step = (tl.arange(0, WAYS) + 1).to(tl.int64)
+    zero = tl.zeros([WAYS], weight.dtype)
+    while lo < hi:  # invariant: F(lo) >= target (when found), the answer lies in [lo, hi]
+        # ascending pivots in (lo, hi], the last one hi itself; int32 keys again, so the
+        # [n, WAYS] compare holds one register per element, not two
+        piv = (lo + ((hi - lo) * step + (WAYS - 1)) // WAYS).to(tl.int32)
+        reach = tl.sum(tl.where(keys[:, None] >= piv[None, :], weight[:, None], zero[None, :]), 0)
+        ok = reach >= target  # F falls as the pivots rise: ok holds up to some pivot
+        new_lo = tl.max(tl.where(ok, piv.to(tl.int64), lo), 0)
+        hi = tl.min(tl.where(ok, hi, piv.to(tl.int64) - 1), 0)
+        lo = new_lo
     return tl.where(found, from_ordered_key(lo.to(tl.int32)), NEG_INF)
 
 
@@ -381,7 +399,7 @@ def _search_kernel(
     HAS_SAMPLE_KEY: tl.constexpr, SAMPLE_BLOCK: tl.constexpr,
     SUB: tl.constexpr, TILE: tl.constexpr, GROUP: tl.constexpr, NSUB_PAD: tl.constexpr,
     CAP: tl.constexpr, PIVOTS: tl.constexpr, MAX_ROUNDS: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    TABLE_WAYS: tl.constexpr, STATS_BC: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Steps 2 and 3 per row (persistent programs: the candidate scratch is per program).
 
@@ -458,9 +476,11 @@ def _search_kernel(
                         if is_mass:
                             tw = tl.where(maxima >= t_k,
                                           tl.exp2(tl.maximum((maxima - m1) * LOG2E, U_FLOOR)), 0.0)
-                            lo = tl.maximum(_largest_reaching(maxima, tw.to(tl.float64), target), t_k)
+                            lo = _largest_reaching(maxima, tw.to(tl.float64), target, TABLE_WAYS)
+                            lo = tl.maximum(lo, t_k)
                         else:
-                            lo = _largest_reaching(maxima, tl.full(maxima.shape, 1, tl.int32), k)
+                            lo = _largest_reaching(maxima, tl.full(maxima.shape, 1, tl.int32), k,
+                                                   TABLE_WAYS)
                         if (lo == NEG_INF) & (ranged == 0):
                             n_valid, x_min, top, z1_row = _range_pass(row_ptr, allowed_row, vocab, m1,
                                                                       SOFTCAP, HAS_ALLOWED, TILE)
@@ -528,7 +548,7 @@ def _search_kernel(
                                  temperature_ptr, inv_t_ptr, seeds_ptr, draws_ptr, column_tokens_ptr,
                                  argmax_ptr, sample_ptr, entropy_ptr, lse_ptr, sample_key_ptr,
                                  vocab, vocab_offset, HAS_COLUMN_TOKENS, HAS_SAMPLE_KEY,
-                                 SAMPLE_BLOCK, CAP)
+                                 SAMPLE_BLOCK, CAP, STATS_BC)
         tl.store(threshold_ptr + row, thr)
         tl.store(done_ptr + row, done.to(tl.int8))
 
@@ -539,7 +559,7 @@ def _candidate_stats(values, ids, present, thr, row, request, row_position_ptr,
                      argmax_ptr, sample_ptr, entropy_ptr, lse_ptr, sample_key_ptr,
                      vocab, vocab_offset, HAS_COLUMN_TOKENS: tl.constexpr,
                      HAS_SAMPLE_KEY: tl.constexpr, SAMPLE_BLOCK: tl.constexpr, CAP: tl.constexpr,
-                     BC: tl.constexpr = 8):
+                     BC: tl.constexpr):
     """Row statistics of a row whose kept entries are all among the sorted candidates.
 
     The sample follows the reference's two stages. Stage a needs the mass of every sampling
@@ -617,8 +637,9 @@ def threshold_rows(logits, row_request, row_position, temperature, inv_t, seeds,
                    softcap: float, top_k, top_p, allowed, vocab_offset: int, column_tokens,
                    sample_block: int, sample_key=None,
                    sub: int = 256, scan_tile: int = 2048, scan_warps: int = 4, scan_stages: int = 4,
-                   tile: int = 2048, group: int = 4, cap: int = 256, pivots: int = 16,
-                   num_warps: int = 4, programs_per_sm: int = 5, maxnreg="auto"):
+                   tile: int = 2048, group: int = 4, cap: int = 128, pivots: int = 16,
+                   num_warps: int = 2, programs_per_sm: int = 10, maxnreg="auto",
+                   table_ways: int = 4, stats_blocks: int = 64):
     """Fill ``out.threshold``; finish the statistics of rows whose kept set is small.
 
     Returns the int8 ``done`` flags ([N]) that tell ``row_stats`` which rows are finished.
@@ -626,19 +647,29 @@ def threshold_rows(logits, row_request, row_position, temperature, inv_t, seeds,
     Scratch: the sub-block tables ([N, V / sub] fp32, twice with top-p: 4 MiB per 1024 rows
     at V = 262144) and a candidate buffer per search program.
 
-    Search defaults (``bench/results/row_stats-h200-v8.log``, ``-v9.log``; top-k 50 and top-p
-    0.9 at 32 requests): a 256-entry candidate buffer and 4 warps take the search from 2.7 to
-    1.7 ms (fp32 logits): its sort is a quarter of the size, and the kernel neither spills
-    nor runs alone on its SM. Rows with more than 256 candidates take the pivot passes.
-    The search is bound by its latency per row (Nsight Compute: 41% of issue slots busy with 2
-    programs per SM at 255 registers; ``ncu-h200-2026-12-03.md``). Once the rows outnumber what
-    fits uncapped (2 programs per SM), ``maxnreg="auto"`` caps the registers at 96: it spills,
-    but 5 programs per SM hide more latency (32 requests, whole top-k/top-p pass: fp32 3.13 ->
-    2.67 ms, bf16 2.39 -> 2.01 ms; 128 registers and 4 programs: 2.75 / 2.06 ms;
-    ``row_stats-h200-v18-threshold.log``). With fewer rows each program's latency is all there
-    is and the cap would only add spills (1 request, fp32: 0.33 ms uncapped, 0.42 at 128,
-    ``row_stats-h200-v15.log`` / ``-v16.log``).
-    The cap changes no bit (``test_gpu_search_register_cap_changes_no_bit``).
+    Search defaults (top-k 50 and top-p 0.9 at 32 requests; ``bench/results/``). The search is
+    bound by its latency per row (Nsight Compute, ``ncu-h200-2026-12-03.md``), so the
+    defaults put more rows in flight and shorten each row's chain of dependent steps:
+
+    * 2 warps per row and 10 programs per SM (4 warps and 5 programs: bf16 1.85 vs 1.82 ms,
+      fp32 2.65 vs 2.59 ms for the whole top-k/top-p pass, ``row_stats-h200-v22-search.log``).
+      With more rows than fit uncapped (4 programs per SM), ``maxnreg="auto"`` caps the
+      registers at 96: it spills, but more programs hide more latency (``-v18-threshold.log``).
+      With fewer rows each program's latency is all there is, and they run uncapped.
+    * a 128-entry candidate buffer (256: bf16 1.84 vs 1.74 ms, ``row_stats-h200-v23-cap128.log``):
+      its sort is half the size; rows with more candidates (k above about 100) take the pivot
+      passes.
+    * the sampling-block masses of the candidates weighed 64 blocks at a time, in one
+      [64, CAP] reduction instead of 8 dependent ones of 8 blocks. With 4 warps per row that
+      gains (bf16 1.88 -> 1.85 ms, ``-v22-search.log``); with 2 warps 8, 32 and 64 blocks are
+      within 1% of each other (1.81, 1.80, 1.82 ms).
+    * the table search with 4 pivots per round (16 spill badly: 2.14 ms for the search alone,
+      ``-v20-search.log``; 2 and 8 are slower than 4, ``-v21-search.log``).
+
+    The register cap, the pivots per round, the collection tile and the programs per SM change
+    no bit; the sampling blocks per reduction and the warps per row change only the rounding
+    of sums (``test_gpu_search_config_changes_no_bit``). The warps per row are fixed, not
+    chosen by the number of rows: a request's bits may not depend on how the batch is tiled.
     """
     n_rows, vocab = logits.shape
     dev = logits.device
@@ -649,6 +680,10 @@ def threshold_rows(logits, row_request, row_position, temperature, inv_t, seeds,
         n_sub = triton.cdiv(vocab, sub)
     scan_tile, tile = max(scan_tile, sub), max(tile, sub)
     nsub_pad = max(triton.next_power_of_2(n_sub), 2)
+    if table_ways < 2 or table_ways & (table_ways - 1):
+        raise ValueError(f"table_ways must be a power of two >= 2, got {table_ways}")
+    if stats_blocks < 1 or stats_blocks & (stats_blocks - 1):
+        raise ValueError(f"stats_blocks must be a power of two, got {stats_blocks}")
     max_table = torch.empty(n_rows, n_sub, dtype=torch.float32, device=dev)
     mass_table = torch.empty_like(max_table) if top_p is not None else max_table
     done = torch.empty(n_rows, dtype=torch.int8, device=dev)
@@ -664,7 +699,9 @@ def threshold_rows(logits, row_request, row_position, temperature, inv_t, seeds,
         SUB=sub, TILE=scan_tile, NUM_STAGES=scan_stages, num_warps=scan_warps, **flags,
     )
     if maxnreg == "auto":
-        many_rows = dev.type == "cuda" and n_rows > 2 * _sm_count(dev.index or 0)
+        # uncapped (up to 255 registers) only while every row has a program of its own
+        uncapped_per_sm = max(1, 65536 // (256 * 32 * num_warps))
+        many_rows = dev.type == "cuda" and n_rows > uncapped_per_sm * _sm_count(dev.index or 0)
         maxnreg = 96 if many_rows else None
     programs = _programs(n_rows, dev, programs_per_sm)
     cand = torch.empty(programs, cap, dtype=torch.int64, device=dev)
@@ -685,7 +722,8 @@ def threshold_rows(logits, row_request, row_position, temperature, inv_t, seeds,
         HAS_COLUMN_TOKENS=column_tokens is not None,
         HAS_SAMPLE_KEY=sample_key is not None, SAMPLE_BLOCK=sample_block,
         SUB=sub, TILE=tile, GROUP=group, NSUB_PAD=nsub_pad, CAP=cap, PIVOTS=pivots,
-        MAX_ROUNDS=40, INTERPRET=interpreting(), num_warps=num_warps, **flags,
+        MAX_ROUNDS=40, TABLE_WAYS=table_ways, STATS_BC=stats_blocks, INTERPRET=interpreting(),
+        num_warps=num_warps, **flags,
         **({"maxnreg": maxnreg} if maxnreg and dev.type == "cuda" else {}),
     )
     return done
