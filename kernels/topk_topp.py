@@ -655,7 +655,10 @@ def threshold_rows(logits, row_request, row_position, temperature, inv_t, seeds,
       fp32 2.65 vs 2.59 ms for the whole top-k/top-p pass, ``row_stats-h200-v22-search.log``).
       With more rows than fit uncapped (4 programs per SM), ``maxnreg="auto"`` caps the
       registers at 96: it spills, but more programs hide more latency (``-v18-threshold.log``).
-      With fewer rows each program's latency is all there is, and they run uncapped.
+      With fewer rows each program's latency is all there is, and they run uncapped. There
+      these defaults cost some latency: at 1 request the search kernel takes 0.054 / 0.058 ms
+      (bf16 / fp32 logits, ``-v22-search.log``) where 4 warps weighing 8 sampling blocks at a
+      time took 0.035 / 0.037 ms (``-v21-search.log``); the scan before it takes 0.06-0.08 ms.
     * a 128-entry candidate buffer (256: bf16 1.84 vs 1.74 ms, ``row_stats-h200-v23-cap128.log``):
       its sort is half the size; rows with more candidates (k above about 100) take the pivot
       passes.
