@@ -15,10 +15,10 @@ target > F(>= hi)`` (``t`` lies in it) and the count and mass above ``hi``:
    every 256-entry sub-block (a table in scratch, [N, V / 256]), for top-p-only rows also
    each sub-block's mass, and the NaN flag. The table bounds the answer from below without
    touching the row again: the k-th largest sub-block maximum is at most the k-th largest
-   value, and the sub-block maxima >= v carry at least their own mass. That ``lo`` usually
-   leaves a few dozen entries above it for k of a few dozen (about k sub-blocks reach it).
-   (Steps 2-3 run in
-   ``_search_kernel``, persistent programs with a candidate buffer each.)
+   value, and the sub-block maxima >= v carry at least their own mass. For k of a few
+   dozen that ``lo`` usually leaves a few dozen entries above it (about k sub-blocks reach
+   it). (Steps 2-3 run in ``_search_kernel``, persistent programs with a candidate buffer
+   each.)
 2. Collect: one pass over the sub-blocks whose maximum reaches ``lo`` (the loads of the
    others are masked off) writes the entries in
    ``[lo, hi)`` (value and id packed in an int64) to scratch. If they are at most ``CAP``,
