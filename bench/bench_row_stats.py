@@ -1,6 +1,7 @@
 """Row-statistics kernel benchmark: effective logits bandwidth against a device copy.
 
     python bench/bench_row_stats.py [--out bench/results/bench_row_stats.json] [--quick]
+    python bench/bench_row_stats.py --alternate 3     # only the top-k/top-p ratio, 3 rounds
 
 Times ``kernels.row_stats.row_stats_rows`` (sampling on) at 1/4/16/32 requests x 256 canvas
 positions x 262144 vocabulary, fp32 and bf16 logits, with and without top-k/top-p, with
@@ -194,6 +195,29 @@ def kernel_resources() -> list[dict]:
     return out
 
 
+def alternate_rounds(rounds: int) -> None:
+    """The top-k/top-p ratio against the plain pass, timed in alternation so that drift of
+    the machine during the run affects both sides alike (32 requests, lm logits, sampling,
+    top-k 50 / top-p 0.9; bf16 then fp32)."""
+    temperature, seeds, draws, row_request, row_position = request_params(32)
+    top_k = torch.full((32,), 50, device="cuda", dtype=torch.int64)
+    top_p = torch.full((32,), 0.9, device="cuda")
+    cases = {"plain": dict(), "top-k/top-p": dict(top_k=top_k, top_p=top_p),
+             "top-k/top-p cap 256": dict(top_k=top_k, top_p=top_p,
+                                         config=dict(threshold=dict(cap=256)))}
+    for dtype in (torch.bfloat16, torch.float32):
+        bufs = [make_logits(32, dtype, "lm", seed) for seed in (1, 2)]
+        for i in range(rounds):
+            ms = {name: bench_ms(lambda x, kw=kw: rs.row_stats_rows(
+                x, row_request, row_position, temperature, seeds, draws, **kw), bufs)
+                for name, kw in cases.items()}
+            print(f"{str(dtype).replace('torch.', ''):9s} round {i}: " + "  ".join(
+                f"{name} {v:.3f} ms ({v / ms['plain']:.3f}x)" for name, v in ms.items()),
+                flush=True)
+        del bufs
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
@@ -205,8 +229,14 @@ def main() -> None:
                     help="also top-k/top-p search configs at 32 requests (~25 s compile each)")
     ap.add_argument("--threshold-only", action="store_true",
                     help="only 32 requests of lm logits, plain and top-k/top-p, and the search sweep")
+    ap.add_argument("--alternate", type=int, default=0, metavar="ROUNDS",
+                    help="only the top-k/top-p ratio: ROUNDS rounds of plain, default search and "
+                         "a 256-entry candidate buffer, one after another (32 requests, lm)")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA device"
+    if args.alternate:
+        alternate_rounds(args.alternate)
+        return
     t_start = time.time()
     results: list[dict] = []
     copy = copy_tbps()
