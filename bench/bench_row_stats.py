@@ -98,6 +98,13 @@ def request_params(n_req: int, greedy: bool = False):
     return temperature, seeds, draws, row_request, row_position
 
 
+def top_k_top_p(n_req: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-request filters every top-k/top-p case of this benchmark times: top-k 50 and
+    top-p 0.9."""
+    top_k = torch.full((n_req,), 50, device="cuda", dtype=torch.int64)
+    return top_k, torch.full((n_req,), 0.9, device="cuda")
+
+
 def bench_ms(fn, bufs) -> float:
     state = {"i": 0}
 
@@ -135,8 +142,7 @@ def _precompile_one(case) -> str:
     temperature, seeds, draws, row_request, row_position = request_params(n_req)
     row_request = row_request[:n_rows].contiguous()
     row_position = row_position[:n_rows].contiguous()
-    top_k = torch.full((n_req,), 50, device="cuda", dtype=torch.int64)
-    top_p = torch.full((n_req,), 0.9, device="cuda")
+    top_k, top_p = top_k_top_p(n_req)
     rs.row_stats_rows(x, row_request, row_position, temperature, seeds, draws, top_k=top_k,
                       top_p=top_p, config=dict(threshold=tcfg))
     torch.cuda.synchronize()
@@ -200,8 +206,7 @@ def alternate_rounds(rounds: int) -> None:
     the machine during the run affects both sides alike (32 requests, lm logits, sampling,
     top-k 50 / top-p 0.9; bf16 then fp32)."""
     temperature, seeds, draws, row_request, row_position = request_params(32)
-    top_k = torch.full((32,), 50, device="cuda", dtype=torch.int64)
-    top_p = torch.full((32,), 0.9, device="cuda")
+    top_k, top_p = top_k_top_p(32)
     cases = {"plain": dict(), "top-k/top-p": dict(top_k=top_k, top_p=top_p),
              "top-k/top-p cap 256": dict(top_k=top_k, top_p=top_p,
                                          config=dict(threshold=dict(cap=256)))}
@@ -228,7 +233,8 @@ def main() -> None:
     ap.add_argument("--threshold-sweep", action="store_true",
                     help="also top-k/top-p search configs at 32 requests (~25 s compile each)")
     ap.add_argument("--threshold-only", action="store_true",
-                    help="only 32 requests of lm logits, plain and top-k/top-p, and the search sweep")
+                    help="only 1 and 32 requests of lm logits, plain and top-k/top-p, and the "
+                         "search sweep")
     ap.add_argument("--alternate", type=int, default=0, metavar="ROUNDS",
                     help="only the top-k/top-p ratio: ROUNDS rounds of plain, default search and "
                          "a 256-entry candidate buffer, one after another (32 requests, lm)")
@@ -247,7 +253,6 @@ def main() -> None:
         precompile([(d, rows, cfg) for d in ("float32", "bfloat16")
                     for rows, sweep in ((1040, SEARCH_SWEEP), (256, SEARCH_SWEEP_1REQ))
                     for cfg in sweep])
-    top_k_val, top_p_val = 50, 0.9
 
     for dtype in (torch.float32, torch.bfloat16):
         dname = str(dtype).replace("torch.", "")
@@ -257,8 +262,7 @@ def main() -> None:
                 bufs = [make_logits(n_req, dtype, kind, seed) for seed in (1, 2)]
                 nbytes = bufs[0].numel() * bufs[0].element_size()
                 temperature, seeds, draws, row_request, row_position = request_params(n_req)
-                top_k = torch.full((n_req,), top_k_val, device="cuda", dtype=torch.int64)
-                top_p = torch.full((n_req,), top_p_val, device="cuda")
+                top_k, top_p = top_k_top_p(n_req)
                 modes = {
                     "sample": dict(),
                     "sample+topk/topp": dict(top_k=top_k, top_p=top_p),

@@ -19,7 +19,7 @@ import argparse
 
 import torch
 
-from bench_row_stats import make_logits, request_params  # this script's folder
+from bench_row_stats import make_logits, request_params, top_k_top_p  # this script's folder
 from bench_soft_embedding import make_inputs
 from dgemma_sampler.kernels import row_stats as rs
 from dgemma_sampler.kernels import soft_embedding as se
@@ -43,8 +43,7 @@ def gemm_cases(requests: int):
 def row_cases(requests: int):
     cases = []
     temperature, seeds, draws, row_request, row_position = request_params(requests)
-    top_k = torch.full((requests,), 50, device="cuda", dtype=torch.int64)
-    top_p = torch.full((requests,), 0.9, device="cuda")
+    top_k, top_p = top_k_top_p(requests)
     for dtype in (torch.float32, torch.bfloat16):
         x = make_logits(requests, dtype, "flat", 1)
         name = str(dtype).replace("torch.", "")

@@ -702,7 +702,8 @@ def threshold_rows(logits, row_request, row_position, temperature, inv_t, seeds,
         SUB=sub, TILE=scan_tile, NUM_STAGES=scan_stages, num_warps=scan_warps, **flags,
     )
     if maxnreg == "auto":
-        # uncapped (up to 255 registers) only while every row has a program of its own
+        # uncapped (up to 255 registers) only while one program per row, at that size, all
+        # fit on the chip at once
         uncapped_per_sm = max(1, 65536 // (256 * 32 * num_warps))
         many_rows = dev.type == "cuda" and n_rows > uncapped_per_sm * _sm_count(dev.index or 0)
         maxnreg = 96 if many_rows else None

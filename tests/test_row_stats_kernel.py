@@ -466,6 +466,21 @@ def test_top_k_top_p_default_config_short_rows(interpret, poisoned):
     check(*args, top_k=top_k, top_p=top_p, config=None)
 
 
+@pytest.mark.parametrize("knob", [dict(table_ways=3), dict(table_ways=1), dict(stats_blocks=12),
+                                  dict(stats_blocks=0)])
+def test_search_config_rejects(interpret, knob):
+    """Search knobs that must be powers of two (table pivots per round >= 2, sampling blocks
+    per reduction) are refused before anything runs."""
+    gen = torch.Generator().manual_seed(23)
+    logits = torch.randn(2, 300, generator=gen)
+    rows = torch.tensor([0, 1], dtype=torch.int32)
+    temperature, seeds, draws = _requests(2, gen)
+    top_k = torch.tensor([5, 0])
+    *args, top_k = _on(interpret, logits, rows, rows, temperature, seeds, draws, top_k)
+    with pytest.raises(ValueError, match="must be a power of two"):
+        rs.row_stats_rows(*args, top_k=top_k, config=dict(threshold=knob))
+
+
 def test_top_k_top_p_edge_rows(interpret, poisoned):
     """Masked rows, +inf logits, k above the number of kept entries, mass ties."""
     gen = torch.Generator().manual_seed(19)
