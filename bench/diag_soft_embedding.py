@@ -28,13 +28,7 @@ from dgemma_sampler.kernels import soft_embedding as se
 VOCAB, HIDDEN = 262144, 2816
 SRC = os.path.join(os.path.dirname(se.__file__), "soft_embedding_wgmma.py")
 
-LOAD = "x = x_bufs.index(stage).load(tile_layout).to(gl.float32)"
 EXP = "p = _exp2_ftz(gl.minimum(d2, 0.0, propagate_nan=tl.PropagateNan.ALL))"
-BAR2 = "        _cta_barrier()\n        ahead = i + STAGES - 1"
-EXPECT = "mbarrier.expect(bar, x_desc.block_type.nbytes + e_desc.block_type.nbytes, pred)"
-X_TMA = "    _tma_load(x_desc, [row0, kb * BK], bar, x_bufs.index(stage), pred)\n"
-STORE = "        p_buf.store(p)\n        fence_async_shared()\n        _cta_barrier()  # every warp's part of p is in shared memory\n"
-
 NAN_TO_ZERO = "@gluon.jit\ndef _nan_to_zero(p):"
 MIXED_EXP = "p = _exp2_mixed(gl.minimum(d2, 0.0, propagate_nan=tl.PropagateNan.ALL))"
 # 2^d for d <= 0 (or -inf / NaN -> 0) by polynomial: t = d + 1.5 * 2^23 rounds d to the
@@ -60,96 +54,47 @@ def _mixed_exp2(pack: int) -> str:
             f" is_pure=True, pack={pack})\n\n\n")
 
 
-# The logits by pointer loads straight into registers, one K step ahead, instead of TMA into
-# shared memory and a read back: each logits tile is used once, by the prologue, and staging
-# it costs shared-memory bandwidth (TMA write + LDS: with fp32 logits 64 of the ~190 KB a K
-# step moves through shared memory, where wgmma reads the E tile once per warpgroup). E keeps
-# its TMA pipeline, which gains the stages the logits tiles freed. Measured slower, with the
-# same output: 72% -> 62% of cuBLAS from fp32 logits, 68% -> 66% from bf16, 230 / 212
-# registers (bench/results/soft_embedding-diag-h200-v10.log): shared-memory bandwidth is not
-# what holds the kernel back.
-_X_TILE = """@gluon.jit
-def _x_tile(x_rows, row_ok, kb, v_local, BK: gl.constexpr, tile_layout: gl.constexpr):
-    \"\"\"Logits tile of K block ``kb`` in ``tile_layout`` (0 past the rows and the slice).\"\"\"
-    cols = kb * BK + gl.arange(0, BK, layout=gl.SliceLayout(0, tile_layout))
-    ptrs = x_rows + gl.expand_dims(cols, 0)
-    mask = row_ok & gl.expand_dims(cols < v_local, 0)
-    return gl.load(ptrs, mask=mask, other=0.0)
-
-
-"""
-LDG_LOGITS = [
-    (NAN_TO_ZERO, _X_TILE + NAN_TO_ZERO),
-    (EXPECT, "mbarrier.expect(bar, e_desc.block_type.nbytes, pred)"),
-    (X_TMA, ""),
-    ("            STAGES: gl.constexpr, BK: gl.constexpr):",
-     "            STAGES: gl.constexpr, BK: gl.constexpr, x_rows, row_ok, v_local):"),
-    ("    for i in range(n_k):\n        stage = i % STAGES\n        mbarrier.wait(bars.index(stage), (i // STAGES) & 1)\n"
-     "        " + LOAD + "\n",
-     "    x_next = _x_tile(x_rows, row_ok & (n_k > 0), kb_begin, v_local, BK, tile_layout)\n"
-     "    for i in range(n_k):\n        stage = i % STAGES\n        x = x_next.to(gl.float32)\n"
-     "        x_next = _x_tile(x_rows, row_ok & (i + 1 < n_k), kb_begin + i + 1, v_local, BK, tile_layout)\n"
-     "        mbarrier.wait(bars.index(stage), (i // STAGES) & 1)\n"),
-    ("    x_desc, e_desc,                               # TMA: local logits [N, V_local], E [V_local, H]\n",
-     "    x_desc, e_desc, x_ptr, stride_x,\n"),
-    ("    x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK], x_desc.layout)\n",
-     "    x_bufs = 0  # unused: the logits come by pointer loads\n"
-     "    x_rows = x_ptr + gl.expand_dims(rows.to(gl.int64) * stride_x, 1)\n"
-     "    row_ok = gl.expand_dims(rows < n_rows, 1)\n"),
-    ("                  neg_lse2, threshold, tile_layout, HAS_THRESHOLD, STAGES, BK)",
-     "                  neg_lse2, threshold, tile_layout, HAS_THRESHOLD, STAGES, BK, x_rows, row_ok, v_local)"),
-    ("        x_desc, e_desc, row_request, inv_t, lse,", "        x_desc, e_desc, local, logits.stride(0), row_request, inv_t, lse,"),
-    ("    per_stage = BLOCK_M * BLOCK_K * logits_dtype.itemsize + BLOCK_K * BLOCK_N * embed_dtype.itemsize",
-     "    per_stage = BLOCK_K * BLOCK_N * embed_dtype.itemsize"),
-]
+# Variants of the CTA-wide pipeline kernel that came before warp specialization (8 warps, p
+# through shared memory, CTA barriers), and what they measured at 32 requests (fp32 / bf16
+# logits, share of cuBLAS), are in the results: soft_embedding-diag-h200-v7 to -v10 (barrier,
+# prologue and logits-load variants; early read of the next tile 54%; logits by pointer loads
+# 62% / 66%) and -v11-ws (warp-specialized 75% / 64% vs that kernel 72% / 67% in one run).
 
 # name -> list of (old, new) substitutions
 VARIANTS = {
     "base": [],
+    # the kernel without a probabilities warpgroup: two consumer warpgroups that each make
+    # their own p and issue their own wgmma, and a TMA warp
+    "two_consumers": [("SOFTMAX_PARTITION = True", "SOFTMAX_PARTITION = False")],
+    # a shallower p ring (more E stages with fp32 logits: 2 p -> 4 E)
+    "p_stages2": [("P_STAGES = 4\n", "P_STAGES = 2\n")],
+    # (two_consumers) p from shared memory with 16-bit logits too, and from registers with
+    # fp32 logits (the two K loops of the consumer warpgroups; the default picks one per dtype)
+    "p_shared": [("SOFTMAX_PARTITION = True", "SOFTMAX_PARTITION = False"),
+                 ("    return logits_dtype != torch.float32\n", "    return False\n")],
+    "p_registers": [("SOFTMAX_PARTITION = True", "SOFTMAX_PARTITION = False"),
+                    ("    return logits_dtype != torch.float32\n", "    return True\n")],
+    # fewer pipeline stages (bf16 logits get 4 by default, fp32 3): with bf16 logits the L2
+    # hit rate falls to 30% at 32 requests (Nsight Compute, 78% from fp32 logits), as if the
+    # programs of a wave drifted apart in K; does a shorter lookahead keep them together?
+    # (No: 3 stages time the same, 2 are slower, soft_embedding-diag-h200-v13-stages.log.)
+    "stages3": [("SOFTMAX_PARTITION = True", "SOFTMAX_PARTITION = False"), ("return max(2, min(4,", "return max(2, min(3,")],
+    "stages2": [("SOFTMAX_PARTITION = True", "SOFTMAX_PARTITION = False"), ("return max(2, min(4,", "return max(2, min(2,")],
+    # another register split between the consumer warpgroups and the TMA warp
+    "regs240": [("SOFTMAX_PARTITION = True", "SOFTMAX_PARTITION = False"), ("CONSUMER_REGS, LOADER_REGS = 232, 40", "CONSUMER_REGS, LOADER_REGS = 240, 24")],
+    # z * log2(e) - lse2 as one FMA with inv_t * log2(e) folded (p moves by ~1 fp32 ulp, no
+    # longer bit-identical to the Triton kernel): does the prologue's FMUL per entry count?
+    # (No, soft_embedding-diag-h200-v12-rs.log.)
+    "one_fma": [("d2 = gl.fma(x * gl.expand_dims(inv_t, 1), LOG2E, gl.expand_dims(neg_lse2, 1))",
+                 "d2 = gl.fma(x, gl.expand_dims(inv_t * LOG2E, 1), gl.expand_dims(neg_lse2, 1))")],
     # no MUFU: p = min(d2, 0) cast (measures the exponentials)
     "noexp": [(EXP, "p = gl.minimum(d2, 0.0, propagate_nan=tl.PropagateNan.ALL)")],
-    # no barrier before the TMA refill (a race: measures that barrier)
-    "nobar2": [(BAR2, "        ahead = i + STAGES - 1")],
-    # no logits read from shared memory and no prologue math (p a splat)
-    "noprologue": [(LOAD, "x = gl.full([128, 64], 0.5, gl.float32, tile_layout) + i")],
-    # ... and no logits TMA either (only E streams)
-    "noprologue_nologits": [(LOAD, "x = gl.full([128, 64], 0.5, gl.float32, tile_layout) + i"),
-                            (EXPECT, "mbarrier.expect(bar, e_desc.block_type.nbytes, pred)"), (X_TMA, "")],
-    # ... and p written once (no per-step store, fence, barrier): a plain pipelined SS GEMM
-    "gemm_only": [(LOAD, "x = gl.full([128, 64], 0.5, gl.float32, tile_layout) + i"),
-                  (EXPECT, "mbarrier.expect(bar, e_desc.block_type.nbytes, pred)"), (X_TMA, ""),
-                  (STORE, "        p_buf = p_bufs.index(0)\n")],
-    # the next step's logits tile read right after this step's wgmma issue, not at the top of
-    # the next step (bench/results/soft_embedding-h200-v9-early-read.log: 72% -> 54% of cuBLAS
-    # at 32 requests from fp32 logits, 186-190 registers instead of 172)
-    "early_read": [
-        ("""    for i in range(n_k):
-        stage = i % STAGES
-        mbarrier.wait(bars.index(stage), (i // STAGES) & 1)
-        x = x_bufs.index(stage).load(tile_layout).to(gl.float32)
-""", """    mbarrier.wait(bars.index(0), 0, pred=n_k > 0)
-    x_next = x_bufs.index(0).load(tile_layout)
-    for i in range(n_k):
-        stage = i % STAGES
-        x = x_next.to(gl.float32)
-"""),
-        ("""        acc = warpgroup_mma(p_buf, e_bufs.index(stage), acc, is_async=True)
-""", """        acc = warpgroup_mma(p_buf, e_bufs.index(stage), acc, is_async=True)
-        nxt = i + 1
-        mbarrier.wait(bars.index(nxt % STAGES), (nxt // STAGES) & 1, pred=nxt < n_k)
-        x_next = x_bufs.index(nxt % STAGES).load(tile_layout)
-""")],
     # exp2 of one entry in 2 (poly2) or 4 (poly4) by a degree-5 polynomial on the FMA pipe
     # (Cody-Waite split, exponent by integer add; 3.3e-6 relative), the rest by MUFU.EX2:
-    # does moving work off the MUFU pipe shorten the prologue? No: 72% -> 62% (poly2) and 67%
-    # (poly4) of cuBLAS from fp32 logits (bench/results/soft_embedding-diag-h200-v9.log)
+    # does moving work off the MUFU pipe shorten the prologue? No (CTA-wide kernel): 72% ->
+    # 62% (poly2) and 67% (poly4) of cuBLAS from fp32 logits (soft_embedding-diag-h200-v9.log)
     "poly2": [(NAN_TO_ZERO, _mixed_exp2(2) + NAN_TO_ZERO), (EXP, MIXED_EXP)],
     "poly4": [(NAN_TO_ZERO, _mixed_exp2(4) + NAN_TO_ZERO), (EXP, MIXED_EXP)],
-    # the logits by pointer loads into registers, one K step ahead (LDG_LOGITS above)
-    "ldg_logits": LDG_LOGITS,
-    # BLOCK_K 32 with up to 8 stages (a deeper TMA lookahead in bytes-ahead terms)
-    "bk32": [("BLOCK_M, BLOCK_N, BLOCK_K = 128, 256, 64", "BLOCK_M, BLOCK_N, BLOCK_K = 128, 256, 32"),
-             ("return max(2, min(4,", "return max(2, min(8,")],
 }
 
 

@@ -57,7 +57,14 @@ _cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 
 LOG2E = gl.constexpr(1.4426950408889634)
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 256, 64
-NUM_WARPS = 8
+NUM_WARPS = 8  # 2 consumer warpgroups (+ the TMA warp, in a warpgroup of its own)
+# Registers per thread of the consumer warpgroups and of the TMA warp's warpgroup (setmaxnreg;
+# 2 x 128 x 232 + 128 x 40 <= 64K).
+CONSUMER_REGS, LOADER_REGS = 232, 40
+# The kernel with a warpgroup of its own for the probabilities (soft_embedding_sm_kernel).
+SOFTMAX_PARTITION = True
+MMA_REGS = 168
+P_STAGES = 4
 
 
 @gluon.jit
@@ -89,55 +96,198 @@ def _neg_lse2(lse):
 
 
 @gluon.jit
-def _issue(x_desc, e_desc, x_bufs, e_bufs, bars, kb, stage, row0, col0, BK: gl.constexpr,
-           pred=True):
-    """TMA loads of K block ``kb`` (logits and E tiles) into ``stage`` (none where ``pred``
-    is False)."""
-    bar = bars.index(stage)
-    mbarrier.expect(bar, x_desc.block_type.nbytes + e_desc.block_type.nbytes, pred)
-    _tma_load(x_desc, [row0, kb * BK], bar, x_bufs.index(stage), pred)
-    _tma_load(e_desc, [kb * BK, col0], bar, e_bufs.index(stage), pred)
+def _probabilities(x, inv_t, neg_lse2, threshold, THRESHOLD: gl.constexpr, dtype: gl.constexpr):
+    """``p = exp(x * inv_t - lse)`` of an fp32 logits tile, as the MMA operand ``dtype``: 0 below
+    the row's threshold, for NaN and on dead rows (``neg_lse2 = -inf``)."""
+    # z = x * inv_t as the row-statistics pass computed it, then base 2 against lse.
+    d2 = gl.fma(x * gl.expand_dims(inv_t, 1), LOG2E, gl.expand_dims(neg_lse2, 1))
+    if THRESHOLD:
+        d2 = gl.where(x >= gl.expand_dims(threshold, 1), d2, float("-inf"))
+    p = _exp2_ftz(gl.minimum(d2, 0.0, propagate_nan=tl.PropagateNan.ALL))
+    return _nan_to_zero(p.to(dtype))
 
 
 @gluon.jit
-def _k_loop(x_desc, e_desc, x_bufs, e_bufs, p_bufs, bars, acc, kb_begin, n_k, row0, col0,
-            inv_t, neg_lse2, threshold, tile_layout: gl.constexpr, THRESHOLD: gl.constexpr,
-            STAGES: gl.constexpr, BK: gl.constexpr):
-    """``acc += p @ E`` over K blocks ``[kb_begin, kb_begin + n_k)``."""
-    # The fill is predicated rather than branched (no branch before the loop). What keeps
-    # ptxas from serializing the wgmmas (C7515) is the accumulator pinned by the caller; with
-    # that pin the branched form compiles without C7515 too (checked for sm_90, Triton 3.6).
-    for i in gl.static_range(STAGES - 1):
-        _issue(x_desc, e_desc, x_bufs, e_bufs, bars, kb_begin + i, i, row0, col0, BK, i < n_k)
+def _row_constants(rows, n_rows, row_request_ptr, inv_t_ptr, lse_ptr, threshold_ptr, keep_ptr,
+                   HAS_KEEP: gl.constexpr, HAS_THRESHOLD: gl.constexpr):
+    """Per logits row: live (in range and kept), ``inv_t``, ``-lse * log2(e)`` (-inf on a dead
+    row or a non-finite lse, so that its p is 0) and the threshold (``inv_t`` without one)."""
+    live = rows < n_rows
+    if HAS_KEEP:
+        live = live & (gl.load(keep_ptr + rows, mask=live, other=0) != 0)
+    request = gl.load(row_request_ptr + rows, mask=live, other=0).to(gl.int64)
+    inv_t = gl.load(inv_t_ptr + request, mask=live, other=0.0)
+    lse = gl.load(lse_ptr + rows, mask=live, other=0.0)
+    neg_lse2 = gl.where(live & (gl.abs(lse) < float("inf")), _neg_lse2(lse), float("-inf"))
+    threshold = inv_t  # unused without HAS_THRESHOLD
+    if HAS_THRESHOLD:
+        # (one K loop for both cases: a second loop behind a branch on whether any row has a
+        # threshold makes ptxas serialize every wgmma, "non wgmma instructions defining
+        # accumulator registers", so callers pass no threshold when no row has one)
+        threshold = gl.load(threshold_ptr + rows, mask=live, other=float("-inf"))
+    return live, inv_t, neg_lse2, threshold
+
+
+@gluon.jit
+def _store_acc(acc, row0, tile_row, col0, piece, pieces, tail_idx, tail_tiles, n_rows, hidden,
+               stride_out, norm_ptr, norm_value, out_ptr, out_index_ptr, scratch_ptr,
+               BM: gl.constexpr, HAS_OUT_INDEX: gl.constexpr, NORM_IS_TENSOR: gl.constexpr,
+               SCRATCH_N: gl.constexpr):
+    """Epilogue of the accumulator for rows ``[tile_row, tile_row + its rows)`` of the ``BM``-row
+    tile at ``row0``: a whole tile scaled into ``out``; of a split tile, piece 0 raw into ``out``
+    and the others into their scratch slot (``soft_embedding.split_sum_kernel`` adds them)."""
+    layout: gl.constexpr = acc.type.layout
+    ROWS: gl.constexpr = acc.shape[0]
+    BN: gl.constexpr = acc.shape[1]
+    tile_rows = tile_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    tile_cols = gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
+    if piece > 0:
+        slot = ((piece - 1) * tail_tiles + tail_idx).to(gl.int64)
+        offs = gl.expand_dims(tile_rows, 1) * SCRATCH_N + gl.expand_dims(tile_cols, 0)
+        gl.store(scratch_ptr + slot * (BM * SCRATCH_N) + offs, acc)
+    else:
+        if NORM_IS_TENSOR:
+            norm = gl.load(norm_ptr).to(gl.float32)
+        else:
+            norm = norm_value
+        scale = gl.where(pieces > 1, 1.0, norm)
+        out_rows = row0 + tile_rows
+        cols = col0 + tile_cols
+        in_range = out_rows < n_rows
+        dest = out_rows.to(gl.int64)
+        if HAS_OUT_INDEX:
+            dest = gl.load(out_index_ptr + out_rows, mask=in_range, other=0).to(gl.int64)
+        ptrs = out_ptr + gl.expand_dims(dest * stride_out, 1) + gl.expand_dims(cols, 0)
+        mask = gl.expand_dims(in_range, 1) & gl.expand_dims(cols < hidden, 0)
+        gl.store(ptrs, acc * scale, mask=mask)
+
+
+
+
+
+@gluon.jit
+def _loader(WG: gl.constexpr, descs, smem, tile, row_args, out_args,
+            HAS_THRESHOLD: gl.constexpr, HAS_KEEP: gl.constexpr, HAS_OUT_INDEX: gl.constexpr,
+            NORM_IS_TENSOR: gl.constexpr, SCRATCH_N: gl.constexpr, VEC: gl.constexpr,
+            P_IN_REGISTERS: gl.constexpr):
+    """The TMA partition (one warp): K step ``i`` into stage ``i % STAGES`` once both consumer
+    warpgroups have released that stage's previous use. (It takes the consumers' parameters:
+    the worker partitions of one ``warp_specialize`` are called alike.)"""
+    x_desc, e_desc = descs
+    x_bufs, e_bufs, p_bufs, ready, empty = smem
+    row0, col0, kb_begin, n_k, piece, pieces, tail_idx, tail_tiles = tile
+    STAGES: gl.constexpr = x_bufs.type.shape[0]
+    BK: gl.constexpr = x_desc.block_type.shape[1]
     for i in range(n_k):
         stage = i % STAGES
-        mbarrier.wait(bars.index(stage), (i // STAGES) & 1)
-        x = x_bufs.index(stage).load(tile_layout).to(gl.float32)
-        # z = x * inv_t as the row-statistics pass computed it, then base 2 against lse.
-        d2 = gl.fma(x * gl.expand_dims(inv_t, 1), LOG2E, gl.expand_dims(neg_lse2, 1))
-        if THRESHOLD:
-            d2 = gl.where(x >= gl.expand_dims(threshold, 1), d2, float("-inf"))
-        p = _exp2_ftz(gl.minimum(d2, 0.0, propagate_nan=tl.PropagateNan.ALL))
-        p = _nan_to_zero(p.to(e_desc.dtype))
-        # p goes to the tensor cores from shared memory: a register operand would be rewritten
-        # by the next step while its wgmma still reads it, which ptxas answers by waiting for
-        # every wgmma right after issuing it (seen in the SASS: no overlap at all). So the
-        # logits tile is read in the layout that suits shared memory (Layouts, above).
-        p_buf = p_bufs.index(i % 2)
+        # A fresh mbarrier counts as having completed the phase before its first: the first
+        # round of waits (parity 1) passes at once.
+        mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
+        bar = ready.index(stage)
+        mbarrier.expect(bar, x_desc.block_type.nbytes + e_desc.block_type.nbytes)
+        kb = kb_begin + i
+        _tma_load(x_desc, [row0, kb * BK], bar, x_bufs.index(stage))
+        _tma_load(e_desc, [kb * BK, col0], bar, e_bufs.index(stage))
+
+
+@gluon.jit
+def _k_loop_shared_p(WG: gl.constexpr, WM: gl.constexpr, BN: gl.constexpr, e_dtype: gl.constexpr,
+                     smem, n_k, rows, row_args, tile_layout: gl.constexpr, mma_layout: gl.constexpr,
+                     HAS_THRESHOLD: gl.constexpr, HAS_KEEP: gl.constexpr):
+    """``acc = p @ E`` over the K steps, ``p`` handed to the wgmma through shared memory: the
+    logits tile read conflict-free in ``tile_layout`` (module docstring), ``p`` stored to this
+    warpgroup's p buffers, one wgmma in flight while the next ``p`` is made."""
+    x_bufs, e_bufs, p_bufs, ready, empty = smem
+    n_rows, row_request_ptr, inv_t_ptr, lse_ptr, threshold_ptr, keep_ptr = row_args
+    STAGES: gl.constexpr = x_bufs.type.shape[0]
+    live, inv_t, neg_lse2, threshold = _row_constants(
+        rows, n_rows, row_request_ptr, inv_t_ptr, lse_ptr, threshold_ptr, keep_ptr, HAS_KEEP,
+        HAS_THRESHOLD)
+    acc = gl.zeros([WM, BN], gl.float32, layout=mma_layout)
+    # Pin the zeros before the loop's zero-trip branch: otherwise LLVM sinks a second zero
+    # accumulator into the path that skips the loop, and ptxas, seeing non-wgmma definitions
+    # of accumulator registers, serializes every wgmma (advisory C7515).
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    for i in range(n_k):
+        stage = i % STAGES
+        mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
+        x = x_bufs.index(stage).slice(WG * WM, WM).load(tile_layout).to(gl.float32)
+        p = _probabilities(x, inv_t, neg_lse2, threshold, HAS_THRESHOLD, e_dtype)
+        p_buf = p_bufs.index(2 * WG + i % 2)
         p_buf.store(p)
         fence_async_shared()
-        _cta_barrier()  # every warp's part of p is in shared memory
+        _cta_barrier()  # in a partition: this warpgroup's named barrier
         acc = warpgroup_mma(p_buf, e_bufs.index(stage), acc, is_async=True)
         # Step i - 1's wgmma, the last reader of its stage and of the other p buffer, is done
-        # in this warpgroup ...
+        # in this warp ...
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-        # ... and after the barrier in both: its stage takes the loads STAGES - 1 steps ahead.
+        # ... and after the barrier in all four: the loader may refill its stage.
         _cta_barrier()
-        ahead = i + STAGES - 1
-        if ahead < n_k:
-            _issue(x_desc, e_desc, x_bufs, e_bufs, bars, kb_begin + ahead, ahead % STAGES, row0,
-                   col0, BK)
+        mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
     return warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+
+
+@gluon.jit
+def _k_loop_register_p(WG: gl.constexpr, WM: gl.constexpr, BN: gl.constexpr, e_dtype: gl.constexpr,
+                       smem, n_k, rows, row_args, a_layout: gl.constexpr, mma_layout: gl.constexpr,
+                       HAS_THRESHOLD: gl.constexpr, HAS_KEEP: gl.constexpr):
+    """``acc = p @ E`` over the K steps, ``p`` the wgmma's register operand: the logits tile is
+    read straight in the A-operand layout (``ldmatrix`` for 16-bit logits), the next ``p`` is
+    made while the wgmma runs, and the wgmma is waited for before its operand registers are
+    rewritten (the other warpgroup's wgmma keeps the tensor cores busy meanwhile)."""
+    x_bufs, e_bufs, p_bufs, ready, empty = smem
+    n_rows, row_request_ptr, inv_t_ptr, lse_ptr, threshold_ptr, keep_ptr = row_args
+    STAGES: gl.constexpr = x_bufs.type.shape[0]
+    live, inv_t, neg_lse2, threshold = _row_constants(
+        rows, n_rows, row_request_ptr, inv_t_ptr, lse_ptr, threshold_ptr, keep_ptr, HAS_KEEP,
+        HAS_THRESHOLD)
+    acc = gl.zeros([WM, BN], gl.float32, layout=mma_layout)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))  # pinned (above)
+    mbarrier.wait(ready.index(0), 0, pred=n_k > 0)
+    x = x_bufs.index(0).slice(WG * WM, WM).load(a_layout).to(gl.float32)
+    p = _probabilities(x, inv_t, neg_lse2, threshold, HAS_THRESHOLD, e_dtype)
+    for i in range(n_k):
+        stage = i % STAGES
+        acc = warpgroup_mma(p, e_bufs.index(stage), acc, is_async=True)
+        # The next step's p while this wgmma runs (after the last step a stale tile, unused).
+        nxt = i + 1
+        mbarrier.wait(ready.index(nxt % STAGES), (nxt // STAGES) & 1, pred=nxt < n_k)
+        x = x_bufs.index(nxt % STAGES).slice(WG * WM, WM).load(a_layout).to(gl.float32)
+        p = _probabilities(x, inv_t, neg_lse2, threshold, HAS_THRESHOLD, e_dtype)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        _cta_barrier()  # every warp's wgmma of this step is done: release its stage
+        mbarrier.arrive(empty.index(stage))
+    return acc
+
+
+@gluon.jit
+def _consumer(WG: gl.constexpr, descs, smem, tile, row_args, out_args,
+              HAS_THRESHOLD: gl.constexpr, HAS_KEEP: gl.constexpr, HAS_OUT_INDEX: gl.constexpr,
+              NORM_IS_TENSOR: gl.constexpr, SCRATCH_N: gl.constexpr, VEC: gl.constexpr,
+              P_IN_REGISTERS: gl.constexpr):
+    """Consumer warpgroup ``WG`` (4 warps): rows ``[64 WG, 64 WG + 64)`` of the tile, its K
+    loop, then its part of the epilogue."""
+    x_desc, e_desc = descs
+    row0, col0, kb_begin, n_k, piece, pieces, tail_idx, tail_tiles = tile
+    hidden, stride_out, norm_ptr, norm_value, out_ptr, out_index_ptr, scratch_ptr = out_args
+    BM: gl.constexpr = x_desc.block_type.shape[0]
+    BN: gl.constexpr = e_desc.block_type.shape[1]
+    WM: gl.constexpr = BM // 2
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BN, 16])
+    if P_IN_REGISTERS:
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
+        rows = row0 + WG * WM + gl.arange(0, WM, layout=gl.SliceLayout(1, a_layout))
+        acc = _k_loop_register_p(WG, WM, BN, e_desc.dtype, smem, n_k, rows, row_args, a_layout,
+                                 mma_layout, HAS_THRESHOLD, HAS_KEEP)
+    else:
+        tile_layout: gl.constexpr = gl.BlockedLayout([1, VEC], [4, 8], [4, 1], [1, 0])
+        rows = row0 + WG * WM + gl.arange(0, WM, layout=gl.SliceLayout(1, tile_layout))
+        acc = _k_loop_shared_p(WG, WM, BN, e_desc.dtype, smem, n_k, rows, row_args, tile_layout,
+                               mma_layout, HAS_THRESHOLD, HAS_KEEP)
+    _store_acc(acc, row0, WG * WM, col0, piece, pieces, tail_idx, tail_tiles, row_args[0], hidden,
+               stride_out, norm_ptr, norm_value, out_ptr, out_index_ptr, scratch_ptr, BM,
+               HAS_OUT_INDEX, NORM_IS_TENSOR, SCRATCH_N)
 
 
 @gluon.jit
@@ -149,84 +299,229 @@ def soft_embedding_wgmma_kernel(
     n_tiles_n, dp_head, tail_tiles, split,        # schedule: soft_embedding.plan_split
     HAS_THRESHOLD: gl.constexpr, HAS_KEEP: gl.constexpr, HAS_OUT_INDEX: gl.constexpr,
     NORM_IS_TENSOR: gl.constexpr, STAGES: gl.constexpr, SCRATCH_N: gl.constexpr,
-    VEC: gl.constexpr, P_SWIZZLE: gl.constexpr,
+    VEC: gl.constexpr, P_SWIZZLE: gl.constexpr, P_IN_REGISTERS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
 ):
     BM: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     BN: gl.constexpr = e_desc.block_type.shape[1]
-    NW: gl.constexpr = gl.num_warps()
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
-                                                         instr_shape=[16, BN, 16])
-    tile_layout: gl.constexpr = gl.BlockedLayout([1, VEC], [4, 8], [NW, 1], [1, 0])
-    row_layout: gl.constexpr = gl.SliceLayout(1, tile_layout)
 
-    # -- program -> tile and vocabulary range --
     m_tile, n_tile, tail_idx, piece, pieces = _tile_of_program(
         gl.program_id(0), n_tiles_n, dp_head, tail_tiles, split)
     k_blocks = gl.cdiv(v_local, BK)
     kb_begin = piece * k_blocks // pieces
     kb_end = (piece + 1) * k_blocks // pieces
-
-    # -- per-row constants, in the row slice of the A-operand layout --
     row0 = m_tile * BM
-    rows = row0 + gl.arange(0, BM, layout=row_layout)
+    col0 = n_tile * BN
+    # An all-dropped tile skips its K loop (every partition sees the same n_k).
+    rows = row0 + gl.arange(0, BM, layout=gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))
     live = rows < n_rows
     if HAS_KEEP:
         live = live & (gl.load(keep_ptr + rows, mask=live, other=0) != 0)
-    request = gl.load(row_request_ptr + rows, mask=live, other=0).to(gl.int64)
-    inv_t = gl.load(inv_t_ptr + request, mask=live, other=0.0)
-    lse = gl.load(lse_ptr + rows, mask=live, other=0.0)
-    neg_lse2 = gl.where(live & (gl.abs(lse) < float("inf")), _neg_lse2(lse), float("-inf"))
-    threshold = inv_t  # unused without HAS_THRESHOLD
-    if HAS_THRESHOLD:
-        # (one loop for both cases: a second loop behind a branch on whether any row has a
-        # threshold makes ptxas serialize every wgmma, "non wgmma instructions defining
-        # accumulator registers", so callers pass no threshold when no row has one)
-        threshold = gl.load(threshold_ptr + rows, mask=live, other=float("-inf"))
-    any_live = gl.max(live.to(gl.int32), 0) > 0
-    n_k = gl.where(any_live, kb_end - kb_begin, 0)  # an all-dropped tile skips its K loop
+    n_k = gl.where(gl.max(live.to(gl.int32), 0) > 0, kb_end - kb_begin, 0)
 
     x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK], x_desc.layout)
     e_bufs = gl.allocate_shared_memory(e_desc.dtype, [STAGES, BK, BN], e_desc.layout)
     p_layout: gl.constexpr = gl.NVMMASharedLayout(P_SWIZZLE, 16)
-    p_bufs = gl.allocate_shared_memory(e_desc.dtype, [2, BM, BK], p_layout)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    # two p buffers per consumer warpgroup (unused, and dropped by the compiler, with P_IN_REGISTERS)
+    p_bufs = gl.allocate_shared_memory(e_desc.dtype, [4, BM // 2, BK], p_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
-        mbarrier.init(bars.index(s), count=1)
+        mbarrier.init(ready.index(s), count=1)  # the loader's expect + the TMA bytes
+        mbarrier.init(empty.index(s), count=2)  # one arrive per consumer warpgroup
     fence_async_shared()
 
-    acc = gl.zeros([BM, BN], gl.float32, layout=mma_layout)
-    # Pin the zeros before the loop's zero-trip branch: otherwise LLVM sinks a second zero
-    # accumulator into the path that skips the loop, and ptxas, seeing non-wgmma definitions
-    # of accumulator registers, serializes every wgmma (advisory C7515).
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-    col0 = n_tile * BN
-    acc = _k_loop(x_desc, e_desc, x_bufs, e_bufs, p_bufs, bars, acc, kb_begin, n_k, row0, col0, inv_t,
-                  neg_lse2, threshold, tile_layout, HAS_THRESHOLD, STAGES, BK)
+    descs = (x_desc, e_desc)
+    smem = (x_bufs, e_bufs, p_bufs, ready, empty)
+    tile = (row0, col0, kb_begin, n_k, piece, pieces, tail_idx, tail_tiles)
+    row_args = (n_rows, row_request_ptr, inv_t_ptr, lse_ptr, threshold_ptr, keep_ptr)
+    out_args = (hidden, stride_out, norm_ptr, norm_value, out_ptr, out_index_ptr, scratch_ptr)
+    # (constexprs go to the partitions as arguments of their own: inside a tuple they would
+    # arrive as tensors)
+    gl.warp_specialize([
+        (_consumer, (0, descs, smem, tile, row_args, out_args, HAS_THRESHOLD, HAS_KEEP,  # own warps
+                     HAS_OUT_INDEX, NORM_IS_TENSOR, SCRATCH_N, VEC, P_IN_REGISTERS)),
+        (_consumer, (1, descs, smem, tile, row_args, out_args, HAS_THRESHOLD, HAS_KEEP,
+                     HAS_OUT_INDEX, NORM_IS_TENSOR, SCRATCH_N, VEC, P_IN_REGISTERS)),
+        (_loader, (0, descs, smem, tile, row_args, out_args, HAS_THRESHOLD, HAS_KEEP,
+                   HAS_OUT_INDEX, NORM_IS_TENSOR, SCRATCH_N, VEC, P_IN_REGISTERS)),
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
     for s in gl.static_range(STAGES):
-        mbarrier.invalidate(bars.index(s))
+        mbarrier.invalidate(ready.index(s))
+        mbarrier.invalidate(empty.index(s))
 
-    # -- epilogue: a whole tile scaled into out, split pieces raw (piece 0 into out) --
-    out_rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, mma_layout))
-    cols = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, mma_layout))
-    if piece > 0:
-        slot = ((piece - 1) * tail_tiles + tail_idx).to(gl.int64)
-        offs = (gl.expand_dims(gl.arange(0, BM, layout=gl.SliceLayout(1, mma_layout)), 1) * SCRATCH_N
-                + gl.expand_dims(gl.arange(0, BN, layout=gl.SliceLayout(0, mma_layout)), 0))
-        gl.store(scratch_ptr + slot * (BM * SCRATCH_N) + offs, acc)
-    else:
-        if NORM_IS_TENSOR:
-            norm = gl.load(norm_ptr).to(gl.float32)
-        else:
-            norm = norm_value
-        scale = gl.where(pieces > 1, 1.0, norm)
-        in_range = out_rows < n_rows
-        dest = out_rows.to(gl.int64)
-        if HAS_OUT_INDEX:
-            dest = gl.load(out_index_ptr + out_rows, mask=in_range, other=0).to(gl.int64)
-        ptrs = out_ptr + gl.expand_dims(dest * stride_out, 1) + gl.expand_dims(cols, 0)
-        mask = gl.expand_dims(in_range, 1) & gl.expand_dims(cols < hidden, 0)
-        gl.store(ptrs, acc * scale, mask=mask)
+
+@gluon.jit
+def _sm_softmax(descs, smem, tile, row_args, out_args, HAS_THRESHOLD: gl.constexpr,
+                HAS_KEEP: gl.constexpr, HAS_OUT_INDEX: gl.constexpr, NORM_IS_TENSOR: gl.constexpr,
+                SCRATCH_N: gl.constexpr, VEC: gl.constexpr, WG: gl.constexpr):
+    """The probabilities warpgroup: each logits tile into a p tile of the p ring, running
+    ahead of the tensor cores by up to the ring's depth. It loads its own logits tiles (the
+    slot it has just read takes the tile ``X_STAGES`` steps ahead)."""
+    x_desc, e_desc = descs
+    x_bufs, e_bufs, p_bufs, x_ready, e_ready, e_empty, p_ready, p_empty = smem
+    row0, col0, kb_begin, n_k, piece, pieces, tail_idx, tail_tiles = tile
+    n_rows, row_request_ptr, inv_t_ptr, lse_ptr, threshold_ptr, keep_ptr = row_args
+    XS: gl.constexpr = x_bufs.type.shape[0]
+    PS: gl.constexpr = p_bufs.type.shape[0]
+    BM: gl.constexpr = x_desc.block_type.shape[0]
+    HM: gl.constexpr = BM // 2
+    tile_layout: gl.constexpr = gl.BlockedLayout([1, VEC], [4, 8], [4, 1], [1, 0])
+    # The tile in two halves of rows (half the registers for the logits in flight).
+    rows_lo = row0 + gl.arange(0, HM, layout=gl.SliceLayout(1, tile_layout))
+    live, inv_t_lo, neg_lse2_lo, threshold_lo = _row_constants(
+        rows_lo, n_rows, row_request_ptr, inv_t_ptr, lse_ptr, threshold_ptr, keep_ptr, HAS_KEEP,
+        HAS_THRESHOLD)
+    live, inv_t_hi, neg_lse2_hi, threshold_hi = _row_constants(
+        rows_lo + HM, n_rows, row_request_ptr, inv_t_ptr, lse_ptr, threshold_ptr, keep_ptr,
+        HAS_KEEP, HAS_THRESHOLD)
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    for i in gl.static_range(XS):
+        mbarrier.expect(x_ready.index(i), x_desc.block_type.nbytes, pred=i < n_k)
+        _tma_load(x_desc, [row0, (kb_begin + i) * BK], x_ready.index(i), x_bufs.index(i),
+                  pred=i < n_k)
+    for i in range(n_k):
+        xs = i % XS
+        ps = i % PS
+        mbarrier.wait(x_ready.index(xs), (i // XS) & 1)
+        x_lo = x_bufs.index(xs).slice(0, HM).load(tile_layout).to(gl.float32)
+        p_lo = _probabilities(x_lo, inv_t_lo, neg_lse2_lo, threshold_lo, HAS_THRESHOLD, e_desc.dtype)
+        mbarrier.wait(p_empty.index(ps), ((i // PS) & 1) ^ 1)
+        p_bufs.index(ps).slice(0, HM).store(p_lo)
+        x_hi = x_bufs.index(xs).slice(HM, HM).load(tile_layout).to(gl.float32)
+        p_hi = _probabilities(x_hi, inv_t_hi, neg_lse2_hi, threshold_hi, HAS_THRESHOLD, e_desc.dtype)
+        p_bufs.index(ps).slice(HM, HM).store(p_hi)
+        # the p stores before the wgmma reads them, the logits reads before the next TMA write
+        fence_async_shared()
+        _cta_barrier()  # all four warps (this partition's named barrier)
+        mbarrier.arrive(p_ready.index(ps))
+        ahead = i + XS
+        mbarrier.expect(x_ready.index(xs), x_desc.block_type.nbytes, pred=ahead < n_k)
+        _tma_load(x_desc, [row0, (kb_begin + ahead) * BK], x_ready.index(xs), x_bufs.index(xs),
+                  pred=ahead < n_k)
+
+
+@gluon.jit
+def _sm_mma(descs, smem, tile, row_args, out_args, HAS_THRESHOLD: gl.constexpr,
+            HAS_KEEP: gl.constexpr, HAS_OUT_INDEX: gl.constexpr, NORM_IS_TENSOR: gl.constexpr,
+            SCRATCH_N: gl.constexpr, VEC: gl.constexpr, WG: gl.constexpr):
+    """MMA warpgroup ``WG``: rows ``[64 WG, 64 WG + 64)`` of the tile, ``acc += p @ E`` with
+    one wgmma in flight, then its part of the epilogue."""
+    x_desc, e_desc = descs
+    x_bufs, e_bufs, p_bufs, x_ready, e_ready, e_empty, p_ready, p_empty = smem
+    row0, col0, kb_begin, n_k, piece, pieces, tail_idx, tail_tiles = tile
+    hidden, stride_out, norm_ptr, norm_value, out_ptr, out_index_ptr, scratch_ptr = out_args
+    ES: gl.constexpr = e_bufs.type.shape[0]
+    PS: gl.constexpr = p_bufs.type.shape[0]
+    BM: gl.constexpr = x_desc.block_type.shape[0]
+    BN: gl.constexpr = e_desc.block_type.shape[1]
+    WM: gl.constexpr = BM // 2
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BN, 16])
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    if WG == 0:  # warpgroup 0 loads the E tiles
+        for i in gl.static_range(ES):
+            mbarrier.expect(e_ready.index(i), e_desc.block_type.nbytes, pred=i < n_k)
+            _tma_load(e_desc, [(kb_begin + i) * BK, col0], e_ready.index(i), e_bufs.index(i),
+                      pred=i < n_k)
+    acc = gl.zeros([WM, BN], gl.float32, layout=mma_layout)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))  # pinned (see _k_loop_shared_p)
+    for i in range(n_k):
+        es = i % ES
+        ps = i % PS
+        mbarrier.wait(e_ready.index(es), (i // ES) & 1)
+        mbarrier.wait(p_ready.index(ps), (i // PS) & 1)
+        acc = warpgroup_mma(p_bufs.index(ps).slice(WG * WM, WM), e_bufs.index(es), acc,
+                            is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+        _cta_barrier()  # step i - 1's wgmma is done in all four warps: release its E and p
+        prev = (i + ES - 1) % ES
+        mbarrier.arrive(e_empty.index(prev), pred=i > 0)
+        mbarrier.arrive(p_empty.index((i + PS - 1) % PS), pred=i > 0)
+        if WG == 0:
+            # once both warpgroups are past step i - 1, its E slot takes step i - 1 + ES
+            ahead = i - 1 + ES
+            refill = (i > 0) & (ahead < n_k)
+            mbarrier.wait(e_empty.index(prev), ((i - 1) // ES) & 1, pred=refill)
+            mbarrier.expect(e_ready.index(prev), e_desc.block_type.nbytes, pred=refill)
+            _tma_load(e_desc, [(kb_begin + ahead) * BK, col0], e_ready.index(prev),
+                      e_bufs.index(prev), pred=refill)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    _store_acc(acc, row0, WG * WM, col0, piece, pieces, tail_idx, tail_tiles, row_args[0], hidden,
+               stride_out, norm_ptr, norm_value, out_ptr, out_index_ptr, scratch_ptr, BM,
+               HAS_OUT_INDEX, NORM_IS_TENSOR, SCRATCH_N)
+
+
+@gluon.jit
+def soft_embedding_sm_kernel(
+    x_desc, e_desc,                               # TMA: local logits [N, V_local], E [V_local, H]
+    row_request_ptr, inv_t_ptr, lse_ptr, threshold_ptr, keep_ptr,
+    norm_ptr, out_ptr, out_index_ptr, scratch_ptr,
+    n_rows, v_local, hidden, stride_out, norm_value,
+    n_tiles_n, dp_head, tail_tiles, split,        # schedule: soft_embedding.plan_split
+    HAS_THRESHOLD: gl.constexpr, HAS_KEEP: gl.constexpr, HAS_OUT_INDEX: gl.constexpr,
+    NORM_IS_TENSOR: gl.constexpr, X_STAGES: gl.constexpr, E_STAGES: gl.constexpr,
+    P_STAGES: gl.constexpr, SCRATCH_N: gl.constexpr, VEC: gl.constexpr, P_SWIZZLE: gl.constexpr,
+    MMA_REGS: gl.constexpr,
+):
+    BM: gl.constexpr = x_desc.block_type.shape[0]
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    BN: gl.constexpr = e_desc.block_type.shape[1]
+
+    m_tile, n_tile, tail_idx, piece, pieces = _tile_of_program(
+        gl.program_id(0), n_tiles_n, dp_head, tail_tiles, split)
+    k_blocks = gl.cdiv(v_local, BK)
+    kb_begin = piece * k_blocks // pieces
+    kb_end = (piece + 1) * k_blocks // pieces
+    row0 = m_tile * BM
+    col0 = n_tile * BN
+    rows = row0 + gl.arange(0, BM, layout=gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))
+    live = rows < n_rows
+    if HAS_KEEP:
+        live = live & (gl.load(keep_ptr + rows, mask=live, other=0) != 0)
+    n_k = gl.where(gl.max(live.to(gl.int32), 0) > 0, kb_end - kb_begin, 0)
+
+    x_bufs = gl.allocate_shared_memory(x_desc.dtype, [X_STAGES, BM, BK], x_desc.layout)
+    e_bufs = gl.allocate_shared_memory(e_desc.dtype, [E_STAGES, BK, BN], e_desc.layout)
+    p_layout: gl.constexpr = gl.NVMMASharedLayout(P_SWIZZLE, 16)
+    p_bufs = gl.allocate_shared_memory(e_desc.dtype, [P_STAGES, BM, BK], p_layout)
+    x_ready = gl.allocate_shared_memory(gl.int64, [X_STAGES, 1], mbarrier.MBarrierLayout())
+    e_ready = gl.allocate_shared_memory(gl.int64, [E_STAGES, 1], mbarrier.MBarrierLayout())
+    e_empty = gl.allocate_shared_memory(gl.int64, [E_STAGES, 1], mbarrier.MBarrierLayout())
+    p_ready = gl.allocate_shared_memory(gl.int64, [P_STAGES, 1], mbarrier.MBarrierLayout())
+    p_empty = gl.allocate_shared_memory(gl.int64, [P_STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(X_STAGES):
+        mbarrier.init(x_ready.index(s), count=1)
+    for s in gl.static_range(E_STAGES):
+        mbarrier.init(e_ready.index(s), count=1)
+        mbarrier.init(e_empty.index(s), count=2)  # both MMA warpgroups
+    for s in gl.static_range(P_STAGES):
+        mbarrier.init(p_ready.index(s), count=1)
+        mbarrier.init(p_empty.index(s), count=2)  # both MMA warpgroups
+    fence_async_shared()
+
+    descs = (x_desc, e_desc)
+    smem = (x_bufs, e_bufs, p_bufs, x_ready, e_ready, e_empty, p_ready, p_empty)
+    tile = (row0, col0, kb_begin, n_k, piece, pieces, tail_idx, tail_tiles)
+    row_args = (n_rows, row_request_ptr, inv_t_ptr, lse_ptr, threshold_ptr, keep_ptr)
+    out_args = (hidden, stride_out, norm_ptr, norm_value, out_ptr, out_index_ptr, scratch_ptr)
+    gl.warp_specialize([
+        (_sm_softmax, (descs, smem, tile, row_args, out_args, HAS_THRESHOLD, HAS_KEEP,
+                       HAS_OUT_INDEX, NORM_IS_TENSOR, SCRATCH_N, VEC, 0)),  # the kernel's own warps
+        (_sm_mma, (descs, smem, tile, row_args, out_args, HAS_THRESHOLD, HAS_KEEP,
+                   HAS_OUT_INDEX, NORM_IS_TENSOR, SCRATCH_N, VEC, 0)),
+        (_sm_mma, (descs, smem, tile, row_args, out_args, HAS_THRESHOLD, HAS_KEEP,
+                   HAS_OUT_INDEX, NORM_IS_TENSOR, SCRATCH_N, VEC, 1)),
+    ], [4, 4], [MMA_REGS, MMA_REGS])
+    for s in gl.static_range(X_STAGES):
+        mbarrier.invalidate(x_ready.index(s))
+    for s in gl.static_range(E_STAGES):
+        mbarrier.invalidate(e_ready.index(s))
+        mbarrier.invalidate(e_empty.index(s))
+    for s in gl.static_range(P_STAGES):
+        mbarrier.invalidate(p_ready.index(s))
+        mbarrier.invalidate(p_empty.index(s))
 
 
 def _p_swizzle(logits_bytes: int) -> int:
@@ -252,12 +547,30 @@ def supported(logits: torch.Tensor, embed_weight: torch.Tensor, vocab_start: int
     return hidden % 8 == 0 and v_local > 0 and logits.shape[0] > 0
 
 
+def p_in_registers(logits_dtype: torch.dtype) -> bool:
+    """Whether the wgmma takes ``p`` from registers (16-bit logits: read by ``ldmatrix`` in the
+    operand layout) or from shared memory (fp32 logits, whose operand-layout reads would be
+    2-way bank conflicts). Measured both ways on the H200 (bench/diag_soft_embedding.py)."""
+    return logits_dtype != torch.float32
+
+
 def stages_for(logits_dtype: torch.dtype, embed_dtype: torch.dtype, smem_bytes: int = 227 * 1024) -> int:
-    """Pipeline stages that fit in shared memory beside the two p buffers (3 for fp32 logits,
+    """Pipeline stages that fit in shared memory beside the p buffers (3 for fp32 logits,
     4 for 16-bit)."""
     per_stage = BLOCK_M * BLOCK_K * logits_dtype.itemsize + BLOCK_K * BLOCK_N * embed_dtype.itemsize
     p_bytes = 2 * BLOCK_M * BLOCK_K * embed_dtype.itemsize
     return max(2, min(4, (smem_bytes - p_bytes - 1024) // per_stage))
+
+
+def ring_stages(logits_dtype: torch.dtype, embed_dtype: torch.dtype,
+                smem_bytes: int = 227 * 1024) -> tuple[int, int, int]:
+    """Slots of the logits, E and p rings of ``soft_embedding_sm_kernel``: two logits tiles,
+    ``P_STAGES`` p tiles and as many E tiles as then fit (3 with fp32 logits, 4 with 16-bit)."""
+    x_bytes = BLOCK_M * BLOCK_K * logits_dtype.itemsize
+    p_bytes = BLOCK_M * BLOCK_K * embed_dtype.itemsize
+    e_bytes = BLOCK_K * BLOCK_N * embed_dtype.itemsize
+    e_stages = (smem_bytes - 2 * x_bytes - P_STAGES * p_bytes - 2048) // e_bytes
+    return 2, max(2, min(4, e_stages)), P_STAGES
 
 
 def launch(logits, row_request, inv_t, lse, embed_weight, norm_tensor, norm_value, out, *,
@@ -274,6 +587,22 @@ def launch(logits, row_request, inv_t, lse, embed_weight, norm_tensor, norm_valu
     x_desc = TensorDescriptor(local, [n_rows, v_local], [logits.stride(0), 1], [BLOCK_M, BLOCK_K], x_layout)
     e_desc = TensorDescriptor(embed_weight, [v_local, hidden], [embed_weight.stride(0), 1],
                               [BLOCK_K, BLOCK_N], e_layout)
+    if SOFTMAX_PARTITION:
+        x_stages, e_stages, p_stages = ring_stages(logits.dtype, embed_weight.dtype)
+        return soft_embedding_sm_kernel[(plan.programs,)](
+            x_desc, e_desc, row_request, inv_t, lse,
+            placeholder if threshold is None else threshold,
+            placeholder if keep is None else keep,
+            placeholder if norm_tensor is None else norm_tensor,
+            out, placeholder if out_index is None else out_index, scratch,
+            n_rows, v_local, hidden, out.stride(0), norm_value,
+            plan.n_tiles_n, plan.dp_head, plan.tail_tiles, plan.split,
+            HAS_THRESHOLD=threshold is not None, HAS_KEEP=keep is not None,
+            HAS_OUT_INDEX=out_index is not None, NORM_IS_TENSOR=norm_tensor is not None,
+            X_STAGES=x_stages, E_STAGES=e_stages, P_STAGES=p_stages, SCRATCH_N=BLOCK_N,
+            VEC=16 // logits.element_size(), P_SWIZZLE=_p_swizzle(logits.element_size()),
+            MMA_REGS=MMA_REGS, num_warps=4,
+        )
     return soft_embedding_wgmma_kernel[(plan.programs,)](
         x_desc, e_desc, row_request, inv_t, lse,
         placeholder if threshold is None else threshold,
@@ -286,5 +615,6 @@ def launch(logits, row_request, inv_t, lse, embed_weight, norm_tensor, norm_valu
         HAS_OUT_INDEX=out_index is not None, NORM_IS_TENSOR=norm_tensor is not None,
         STAGES=stages_for(logits.dtype, embed_weight.dtype), SCRATCH_N=BLOCK_N,
         VEC=16 // logits.element_size(), P_SWIZZLE=_p_swizzle(logits.element_size()),
-        num_warps=NUM_WARPS,
+        P_IN_REGISTERS=p_in_registers(logits.dtype), CONSUMER_REGS=CONSUMER_REGS,
+        LOADER_REGS=LOADER_REGS, num_warps=4,
     )
