@@ -54,34 +54,30 @@ def _mixed_exp2(pack: int) -> str:
             f" is_pure=True, pack={pack})\n\n\n")
 
 
-# Variants of the CTA-wide pipeline kernel that came before warp specialization (8 warps, p
-# through shared memory, CTA barriers), and what they measured at 32 requests (fp32 / bf16
-# logits, share of cuBLAS), are in the results: soft_embedding-diag-h200-v7 to -v10 (barrier,
-# prologue and logits-load variants; early read of the next tile 54%; logits by pointer loads
-# 62% / 66%) and -v11-ws (warp-specialized 75% / 64% vs that kernel 72% / 67% in one run).
+# Earlier designs, measured and replaced (32 requests, share of cuBLAS from fp32 / bf16 logits):
+# - the CTA-wide pipeline kernel (8 warps, p through shared memory, CTA barriers): its barrier,
+#   prologue and logits-load variants in soft_embedding-diag-h200-v7 to -v10 (early read of the
+#   next tile 54%; logits by pointer loads 62% / 66%); 72% / 67% against 75% / 64% for the
+#   first warp-specialized kernel in one run (-v11-ws);
+# - a warpgroup of its own making p for the whole tile, two warpgroups only issuing wgmma:
+#   70% / 72% against 73% / 73% for this kernel in one run (-v15-softmax-wg; the code is in
+#   commit 73c1805).
 
 # name -> list of (old, new) substitutions
 VARIANTS = {
     "base": [],
-    # the kernel without a probabilities warpgroup: two consumer warpgroups that each make
-    # their own p and issue their own wgmma, and a TMA warp
-    "two_consumers": [("SOFTMAX_PARTITION = True", "SOFTMAX_PARTITION = False")],
-    # a shallower p ring (more E stages with fp32 logits: 2 p -> 4 E)
-    "p_stages2": [("P_STAGES = 4\n", "P_STAGES = 2\n")],
-    # (two_consumers) p from shared memory with 16-bit logits too, and from registers with
-    # fp32 logits (the two K loops of the consumer warpgroups; the default picks one per dtype)
-    "p_shared": [("SOFTMAX_PARTITION = True", "SOFTMAX_PARTITION = False"),
-                 ("    return logits_dtype != torch.float32\n", "    return False\n")],
-    "p_registers": [("SOFTMAX_PARTITION = True", "SOFTMAX_PARTITION = False"),
-                    ("    return logits_dtype != torch.float32\n", "    return True\n")],
+    # p from shared memory with 16-bit logits too, and from registers with fp32 logits (the two
+    # K loops of the consumer warpgroups; the default picks one per logits dtype)
+    "p_shared": [("    return logits_dtype != torch.float32\n", "    return False\n")],
+    "p_registers": [("    return logits_dtype != torch.float32\n", "    return True\n")],
     # fewer pipeline stages (bf16 logits get 4 by default, fp32 3): with bf16 logits the L2
     # hit rate falls to 30% at 32 requests (Nsight Compute, 78% from fp32 logits), as if the
     # programs of a wave drifted apart in K; does a shorter lookahead keep them together?
     # (No: 3 stages time the same, 2 are slower, soft_embedding-diag-h200-v13-stages.log.)
-    "stages3": [("SOFTMAX_PARTITION = True", "SOFTMAX_PARTITION = False"), ("return max(2, min(4,", "return max(2, min(3,")],
-    "stages2": [("SOFTMAX_PARTITION = True", "SOFTMAX_PARTITION = False"), ("return max(2, min(4,", "return max(2, min(2,")],
+    "stages3": [("return max(2, min(4,", "return max(2, min(3,")],
+    "stages2": [("return max(2, min(4,", "return max(2, min(2,")],
     # another register split between the consumer warpgroups and the TMA warp
-    "regs240": [("SOFTMAX_PARTITION = True", "SOFTMAX_PARTITION = False"), ("CONSUMER_REGS, LOADER_REGS = 232, 40", "CONSUMER_REGS, LOADER_REGS = 240, 24")],
+    "regs240": [("CONSUMER_REGS, LOADER_REGS = 232, 40", "CONSUMER_REGS, LOADER_REGS = 240, 24")],
     # z * log2(e) - lse2 as one FMA with inv_t * log2(e) folded (p moves by ~1 fp32 ulp, no
     # longer bit-identical to the Triton kernel): does the prologue's FMUL per entry count?
     # (No, soft_embedding-diag-h200-v12-rs.log.)

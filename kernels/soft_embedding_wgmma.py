@@ -8,26 +8,35 @@ memory in a blocked layout, computes ``p`` there, and after the cast to bf16 mov
 through shared memory again (store, barrier, load) into the register layout of the wgmma
 A operand; with the pointer loads' address arithmetic that is ~380 instructions per warp
 and K step for ~160 of arithmetic, and it holds the GEMM at ~60% of cuBLAS. Gluon lets the
-kernel name its layouts and its shared-memory traffic: the logits and E tiles arrive by TMA,
-``p`` is computed in registers, stored once to a shared tile and read by ``warpgroup_mma``
-from there (asynchronously, one wgmma group in flight while the next ``p`` is computed).
+kernel name its layouts, its shared-memory traffic and which warps do what.
 
-Layouts (shared memory is this kernel's tightest resource after L2: Nsight Compute put the
-L1/shared pipe at 79% with the logits read in the wgmma operand layout, a third of those
-reads being bank conflicts). A warp reads the logits tile in rows of 8 threads x 16 bytes
-(``tile_layout``: ``[1, VEC]`` elements per thread, ``[4, 8]`` threads), so the 8 threads
-of a quarter warp read the 8 16-byte chunks of one 128-byte row of the TMA box, which the
-128-byte swizzle only permutes: one wavefront per quarter warp, no conflict. Each thread
-then stores its ``p`` (8 bytes from fp32 logits, 16 from 16-bit) into the p tile; with
-fp32 logits a half warp writes two 64-byte row pieces, which land on disjoint banks under a
-64-byte swizzle of the p tile (under 128 bytes they would collide 2-way), with 16-bit
-logits a quarter warp writes one whole 128-byte row (128-byte swizzle).
+Warp specialization. A 128 x 256 output tile is computed by two consumer warpgroups of 4
+warps, each owning 64 rows (its own accumulator, 128 fp32 registers per thread), and one
+TMA warp. The TMA warp fills ``STAGES`` shared-memory stages of (logits tile, E tile); each
+consumer waits for a stage, makes ``p`` for its rows, issues its wgmma asynchronously and
+releases the stage (an mbarrier that counts both warpgroups) once that wgmma is done. The
+warpgroups synchronise only within themselves (a named barrier of 128 threads), so one's
+prologue runs while the other's wgmma holds the tensor cores; the CTA-wide kernel before
+this one stopped all 8 warps at two CTA barriers per K step (72% vs 75% of cuBLAS from fp32
+logits at 32 requests, ``bench/results/soft_embedding-diag-h200-v11-ws.log``).
 
-Pipeline: ``STAGES`` shared-memory stages of (logits tile, E tile), each with an mbarrier
-the TMA completes. At K step ``i`` the program waits for stage ``i``, computes ``p``, issues
-the wgmma asynchronously and waits until only that one is in flight: then step ``i - 1``'s
-wgmma (the last reader of its stage) is done; after a CTA barrier (both warpgroups past
-it) the loads of step ``i + STAGES - 1`` go into that stage.
+How ``p`` reaches the tensor cores depends on the logits dtype (``p_in_registers``):
+
+* fp32 logits: ``p`` goes through shared memory. A warp reads the logits tile in rows of 8
+  threads x 16 bytes (``tile_layout``: ``[1, VEC]`` elements per thread, ``[4, 8]``
+  threads), so the 8 threads of a quarter warp read the 8 16-byte chunks of one 128-byte row
+  of the TMA box, which the 128-byte swizzle only permutes: no bank conflict. Each thread
+  stores its 8 bytes of ``p`` into the warpgroup's p buffer; a half warp writes two 64-byte
+  row pieces, which land on disjoint banks under a 64-byte swizzle. One wgmma is in flight
+  while the next ``p`` is made (two p buffers per warpgroup). Read straight in the A-operand
+  layout instead, the fp32 tile costs 2-way bank conflicts (``LDS.64``, 4 rows x 32 bytes per
+  half warp on 2 of the 4 bank groups) and measured no faster.
+* 16-bit logits: ``p`` is the wgmma's register operand. The tile is read in the A-operand
+  layout by ``ldmatrix`` (conflict-free under the swizzle), ``p`` never returns to shared
+  memory (no store, proxy fence or barrier before the wgmma), and the next ``p`` is made while
+  the wgmma runs; the wgmma is waited for before its operand registers are rewritten. From
+  bf16 logits: 76% of cuBLAS at 32 requests against 64% through shared memory
+  (``soft_embedding-diag-h200-v14.log``).
 
 Scope (``supported``): Hopper, logits fp32/bf16/fp16 whose local slice TMA can address
 (16-byte aligned rows), E bf16/fp16, no ``allowed`` mask, no softcap. ``keep`` masks rows
@@ -61,10 +70,6 @@ NUM_WARPS = 8  # 2 consumer warpgroups (+ the TMA warp, in a warpgroup of its ow
 # Registers per thread of the consumer warpgroups and of the TMA warp's warpgroup (setmaxnreg;
 # 2 x 128 x 232 + 128 x 40 <= 64K).
 CONSUMER_REGS, LOADER_REGS = 232, 40
-# The kernel with a warpgroup of its own for the probabilities (soft_embedding_sm_kernel).
-SOFTMAX_PARTITION = True
-MMA_REGS = 168
-P_STAGES = 4
 
 
 @gluon.jit
@@ -352,178 +357,6 @@ def soft_embedding_wgmma_kernel(
         mbarrier.invalidate(empty.index(s))
 
 
-@gluon.jit
-def _sm_softmax(descs, smem, tile, row_args, out_args, HAS_THRESHOLD: gl.constexpr,
-                HAS_KEEP: gl.constexpr, HAS_OUT_INDEX: gl.constexpr, NORM_IS_TENSOR: gl.constexpr,
-                SCRATCH_N: gl.constexpr, VEC: gl.constexpr, WG: gl.constexpr):
-    """The probabilities warpgroup: each logits tile into a p tile of the p ring, running
-    ahead of the tensor cores by up to the ring's depth. It loads its own logits tiles (the
-    slot it has just read takes the tile ``X_STAGES`` steps ahead)."""
-    x_desc, e_desc = descs
-    x_bufs, e_bufs, p_bufs, x_ready, e_ready, e_empty, p_ready, p_empty = smem
-    row0, col0, kb_begin, n_k, piece, pieces, tail_idx, tail_tiles = tile
-    n_rows, row_request_ptr, inv_t_ptr, lse_ptr, threshold_ptr, keep_ptr = row_args
-    XS: gl.constexpr = x_bufs.type.shape[0]
-    PS: gl.constexpr = p_bufs.type.shape[0]
-    BM: gl.constexpr = x_desc.block_type.shape[0]
-    HM: gl.constexpr = BM // 2
-    tile_layout: gl.constexpr = gl.BlockedLayout([1, VEC], [4, 8], [4, 1], [1, 0])
-    # The tile in two halves of rows (half the registers for the logits in flight).
-    rows_lo = row0 + gl.arange(0, HM, layout=gl.SliceLayout(1, tile_layout))
-    live, inv_t_lo, neg_lse2_lo, threshold_lo = _row_constants(
-        rows_lo, n_rows, row_request_ptr, inv_t_ptr, lse_ptr, threshold_ptr, keep_ptr, HAS_KEEP,
-        HAS_THRESHOLD)
-    live, inv_t_hi, neg_lse2_hi, threshold_hi = _row_constants(
-        rows_lo + HM, n_rows, row_request_ptr, inv_t_ptr, lse_ptr, threshold_ptr, keep_ptr,
-        HAS_KEEP, HAS_THRESHOLD)
-    BK: gl.constexpr = x_desc.block_type.shape[1]
-    for i in gl.static_range(XS):
-        mbarrier.expect(x_ready.index(i), x_desc.block_type.nbytes, pred=i < n_k)
-        _tma_load(x_desc, [row0, (kb_begin + i) * BK], x_ready.index(i), x_bufs.index(i),
-                  pred=i < n_k)
-    for i in range(n_k):
-        xs = i % XS
-        ps = i % PS
-        mbarrier.wait(x_ready.index(xs), (i // XS) & 1)
-        x_lo = x_bufs.index(xs).slice(0, HM).load(tile_layout).to(gl.float32)
-        p_lo = _probabilities(x_lo, inv_t_lo, neg_lse2_lo, threshold_lo, HAS_THRESHOLD, e_desc.dtype)
-        mbarrier.wait(p_empty.index(ps), ((i // PS) & 1) ^ 1)
-        p_bufs.index(ps).slice(0, HM).store(p_lo)
-        x_hi = x_bufs.index(xs).slice(HM, HM).load(tile_layout).to(gl.float32)
-        p_hi = _probabilities(x_hi, inv_t_hi, neg_lse2_hi, threshold_hi, HAS_THRESHOLD, e_desc.dtype)
-        p_bufs.index(ps).slice(HM, HM).store(p_hi)
-        # the p stores before the wgmma reads them, the logits reads before the next TMA write
-        fence_async_shared()
-        _cta_barrier()  # all four warps (this partition's named barrier)
-        mbarrier.arrive(p_ready.index(ps))
-        ahead = i + XS
-        mbarrier.expect(x_ready.index(xs), x_desc.block_type.nbytes, pred=ahead < n_k)
-        _tma_load(x_desc, [row0, (kb_begin + ahead) * BK], x_ready.index(xs), x_bufs.index(xs),
-                  pred=ahead < n_k)
-
-
-@gluon.jit
-def _sm_mma(descs, smem, tile, row_args, out_args, HAS_THRESHOLD: gl.constexpr,
-            HAS_KEEP: gl.constexpr, HAS_OUT_INDEX: gl.constexpr, NORM_IS_TENSOR: gl.constexpr,
-            SCRATCH_N: gl.constexpr, VEC: gl.constexpr, WG: gl.constexpr):
-    """MMA warpgroup ``WG``: rows ``[64 WG, 64 WG + 64)`` of the tile, ``acc += p @ E`` with
-    one wgmma in flight, then its part of the epilogue."""
-    x_desc, e_desc = descs
-    x_bufs, e_bufs, p_bufs, x_ready, e_ready, e_empty, p_ready, p_empty = smem
-    row0, col0, kb_begin, n_k, piece, pieces, tail_idx, tail_tiles = tile
-    hidden, stride_out, norm_ptr, norm_value, out_ptr, out_index_ptr, scratch_ptr = out_args
-    ES: gl.constexpr = e_bufs.type.shape[0]
-    PS: gl.constexpr = p_bufs.type.shape[0]
-    BM: gl.constexpr = x_desc.block_type.shape[0]
-    BN: gl.constexpr = e_desc.block_type.shape[1]
-    WM: gl.constexpr = BM // 2
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, BN, 16])
-    BK: gl.constexpr = x_desc.block_type.shape[1]
-    if WG == 0:  # warpgroup 0 loads the E tiles
-        for i in gl.static_range(ES):
-            mbarrier.expect(e_ready.index(i), e_desc.block_type.nbytes, pred=i < n_k)
-            _tma_load(e_desc, [(kb_begin + i) * BK, col0], e_ready.index(i), e_bufs.index(i),
-                      pred=i < n_k)
-    acc = gl.zeros([WM, BN], gl.float32, layout=mma_layout)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))  # pinned (see _k_loop_shared_p)
-    for i in range(n_k):
-        es = i % ES
-        ps = i % PS
-        mbarrier.wait(e_ready.index(es), (i // ES) & 1)
-        mbarrier.wait(p_ready.index(ps), (i // PS) & 1)
-        acc = warpgroup_mma(p_bufs.index(ps).slice(WG * WM, WM), e_bufs.index(es), acc,
-                            is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-        _cta_barrier()  # step i - 1's wgmma is done in all four warps: release its E and p
-        prev = (i + ES - 1) % ES
-        mbarrier.arrive(e_empty.index(prev), pred=i > 0)
-        mbarrier.arrive(p_empty.index((i + PS - 1) % PS), pred=i > 0)
-        if WG == 0:
-            # once both warpgroups are past step i - 1, its E slot takes step i - 1 + ES
-            ahead = i - 1 + ES
-            refill = (i > 0) & (ahead < n_k)
-            mbarrier.wait(e_empty.index(prev), ((i - 1) // ES) & 1, pred=refill)
-            mbarrier.expect(e_ready.index(prev), e_desc.block_type.nbytes, pred=refill)
-            _tma_load(e_desc, [(kb_begin + ahead) * BK, col0], e_ready.index(prev),
-                      e_bufs.index(prev), pred=refill)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-    _store_acc(acc, row0, WG * WM, col0, piece, pieces, tail_idx, tail_tiles, row_args[0], hidden,
-               stride_out, norm_ptr, norm_value, out_ptr, out_index_ptr, scratch_ptr, BM,
-               HAS_OUT_INDEX, NORM_IS_TENSOR, SCRATCH_N)
-
-
-@gluon.jit
-def soft_embedding_sm_kernel(
-    x_desc, e_desc,                               # TMA: local logits [N, V_local], E [V_local, H]
-    row_request_ptr, inv_t_ptr, lse_ptr, threshold_ptr, keep_ptr,
-    norm_ptr, out_ptr, out_index_ptr, scratch_ptr,
-    n_rows, v_local, hidden, stride_out, norm_value,
-    n_tiles_n, dp_head, tail_tiles, split,        # schedule: soft_embedding.plan_split
-    HAS_THRESHOLD: gl.constexpr, HAS_KEEP: gl.constexpr, HAS_OUT_INDEX: gl.constexpr,
-    NORM_IS_TENSOR: gl.constexpr, X_STAGES: gl.constexpr, E_STAGES: gl.constexpr,
-    P_STAGES: gl.constexpr, SCRATCH_N: gl.constexpr, VEC: gl.constexpr, P_SWIZZLE: gl.constexpr,
-    MMA_REGS: gl.constexpr,
-):
-    BM: gl.constexpr = x_desc.block_type.shape[0]
-    BK: gl.constexpr = x_desc.block_type.shape[1]
-    BN: gl.constexpr = e_desc.block_type.shape[1]
-
-    m_tile, n_tile, tail_idx, piece, pieces = _tile_of_program(
-        gl.program_id(0), n_tiles_n, dp_head, tail_tiles, split)
-    k_blocks = gl.cdiv(v_local, BK)
-    kb_begin = piece * k_blocks // pieces
-    kb_end = (piece + 1) * k_blocks // pieces
-    row0 = m_tile * BM
-    col0 = n_tile * BN
-    rows = row0 + gl.arange(0, BM, layout=gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))
-    live = rows < n_rows
-    if HAS_KEEP:
-        live = live & (gl.load(keep_ptr + rows, mask=live, other=0) != 0)
-    n_k = gl.where(gl.max(live.to(gl.int32), 0) > 0, kb_end - kb_begin, 0)
-
-    x_bufs = gl.allocate_shared_memory(x_desc.dtype, [X_STAGES, BM, BK], x_desc.layout)
-    e_bufs = gl.allocate_shared_memory(e_desc.dtype, [E_STAGES, BK, BN], e_desc.layout)
-    p_layout: gl.constexpr = gl.NVMMASharedLayout(P_SWIZZLE, 16)
-    p_bufs = gl.allocate_shared_memory(e_desc.dtype, [P_STAGES, BM, BK], p_layout)
-    x_ready = gl.allocate_shared_memory(gl.int64, [X_STAGES, 1], mbarrier.MBarrierLayout())
-    e_ready = gl.allocate_shared_memory(gl.int64, [E_STAGES, 1], mbarrier.MBarrierLayout())
-    e_empty = gl.allocate_shared_memory(gl.int64, [E_STAGES, 1], mbarrier.MBarrierLayout())
-    p_ready = gl.allocate_shared_memory(gl.int64, [P_STAGES, 1], mbarrier.MBarrierLayout())
-    p_empty = gl.allocate_shared_memory(gl.int64, [P_STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(X_STAGES):
-        mbarrier.init(x_ready.index(s), count=1)
-    for s in gl.static_range(E_STAGES):
-        mbarrier.init(e_ready.index(s), count=1)
-        mbarrier.init(e_empty.index(s), count=2)  # both MMA warpgroups
-    for s in gl.static_range(P_STAGES):
-        mbarrier.init(p_ready.index(s), count=1)
-        mbarrier.init(p_empty.index(s), count=2)  # both MMA warpgroups
-    fence_async_shared()
-
-    descs = (x_desc, e_desc)
-    smem = (x_bufs, e_bufs, p_bufs, x_ready, e_ready, e_empty, p_ready, p_empty)
-    tile = (row0, col0, kb_begin, n_k, piece, pieces, tail_idx, tail_tiles)
-    row_args = (n_rows, row_request_ptr, inv_t_ptr, lse_ptr, threshold_ptr, keep_ptr)
-    out_args = (hidden, stride_out, norm_ptr, norm_value, out_ptr, out_index_ptr, scratch_ptr)
-    gl.warp_specialize([
-        (_sm_softmax, (descs, smem, tile, row_args, out_args, HAS_THRESHOLD, HAS_KEEP,
-                       HAS_OUT_INDEX, NORM_IS_TENSOR, SCRATCH_N, VEC, 0)),  # the kernel's own warps
-        (_sm_mma, (descs, smem, tile, row_args, out_args, HAS_THRESHOLD, HAS_KEEP,
-                   HAS_OUT_INDEX, NORM_IS_TENSOR, SCRATCH_N, VEC, 0)),
-        (_sm_mma, (descs, smem, tile, row_args, out_args, HAS_THRESHOLD, HAS_KEEP,
-                   HAS_OUT_INDEX, NORM_IS_TENSOR, SCRATCH_N, VEC, 1)),
-    ], [4, 4], [MMA_REGS, MMA_REGS])
-    for s in gl.static_range(X_STAGES):
-        mbarrier.invalidate(x_ready.index(s))
-    for s in gl.static_range(E_STAGES):
-        mbarrier.invalidate(e_ready.index(s))
-        mbarrier.invalidate(e_empty.index(s))
-    for s in gl.static_range(P_STAGES):
-        mbarrier.invalidate(p_ready.index(s))
-        mbarrier.invalidate(p_empty.index(s))
-
-
 def _p_swizzle(logits_bytes: int) -> int:
     """Swizzle of the p tile that keeps its stores conflict-free (Layouts, module docstring)."""
     return 64 if logits_bytes == 4 else 128
@@ -562,17 +395,6 @@ def stages_for(logits_dtype: torch.dtype, embed_dtype: torch.dtype, smem_bytes: 
     return max(2, min(4, (smem_bytes - p_bytes - 1024) // per_stage))
 
 
-def ring_stages(logits_dtype: torch.dtype, embed_dtype: torch.dtype,
-                smem_bytes: int = 227 * 1024) -> tuple[int, int, int]:
-    """Slots of the logits, E and p rings of ``soft_embedding_sm_kernel``: two logits tiles,
-    ``P_STAGES`` p tiles and as many E tiles as then fit (3 with fp32 logits, 4 with 16-bit)."""
-    x_bytes = BLOCK_M * BLOCK_K * logits_dtype.itemsize
-    p_bytes = BLOCK_M * BLOCK_K * embed_dtype.itemsize
-    e_bytes = BLOCK_K * BLOCK_N * embed_dtype.itemsize
-    e_stages = (smem_bytes - 2 * x_bytes - P_STAGES * p_bytes - 2048) // e_bytes
-    return 2, max(2, min(4, e_stages)), P_STAGES
-
-
 def launch(logits, row_request, inv_t, lse, embed_weight, norm_tensor, norm_value, out, *,
            keep, threshold, out_index, vocab_start, plan, scratch, placeholder):
     """Launch for one call of ``soft_embedding.soft_embedding_rows`` (inputs checked there)."""
@@ -587,22 +409,6 @@ def launch(logits, row_request, inv_t, lse, embed_weight, norm_tensor, norm_valu
     x_desc = TensorDescriptor(local, [n_rows, v_local], [logits.stride(0), 1], [BLOCK_M, BLOCK_K], x_layout)
     e_desc = TensorDescriptor(embed_weight, [v_local, hidden], [embed_weight.stride(0), 1],
                               [BLOCK_K, BLOCK_N], e_layout)
-    if SOFTMAX_PARTITION:
-        x_stages, e_stages, p_stages = ring_stages(logits.dtype, embed_weight.dtype)
-        return soft_embedding_sm_kernel[(plan.programs,)](
-            x_desc, e_desc, row_request, inv_t, lse,
-            placeholder if threshold is None else threshold,
-            placeholder if keep is None else keep,
-            placeholder if norm_tensor is None else norm_tensor,
-            out, placeholder if out_index is None else out_index, scratch,
-            n_rows, v_local, hidden, out.stride(0), norm_value,
-            plan.n_tiles_n, plan.dp_head, plan.tail_tiles, plan.split,
-            HAS_THRESHOLD=threshold is not None, HAS_KEEP=keep is not None,
-            HAS_OUT_INDEX=out_index is not None, NORM_IS_TENSOR=norm_tensor is not None,
-            X_STAGES=x_stages, E_STAGES=e_stages, P_STAGES=p_stages, SCRATCH_N=BLOCK_N,
-            VEC=16 // logits.element_size(), P_SWIZZLE=_p_swizzle(logits.element_size()),
-            MMA_REGS=MMA_REGS, num_warps=4,
-        )
     return soft_embedding_wgmma_kernel[(plan.programs,)](
         x_desc, e_desc, row_request, inv_t, lse,
         placeholder if threshold is None else threshold,
