@@ -83,7 +83,8 @@ VARIANTS = {
     # (No, soft_embedding-diag-h200-v12-rs.log.)
     "one_fma": [("d2 = gl.fma(x * gl.expand_dims(inv_t, 1), LOG2E, gl.expand_dims(neg_lse2, 1))",
                  "d2 = gl.fma(x, gl.expand_dims(inv_t * LOG2E, 1), gl.expand_dims(neg_lse2, 1))")],
-    # no MUFU: p = min(d2, 0) cast (measures the exponentials)
+    # no MUFU: p = min(d2, 0) cast. Faster in time but not in cycles: the exponentials cost
+    # clock frequency under the power limit, not latency (ncu-h200-gemm-noexp-cycles.txt)
     "noexp": [(EXP, "p = gl.minimum(d2, 0.0, propagate_nan=tl.PropagateNan.ALL)")],
     # exp2 of one entry in 2 (poly2) or 4 (poly4) by a degree-5 polynomial on the FMA pipe
     # (Cody-Waite split, exponent by integer add; 3.3e-6 relative), the rest by MUFU.EX2:

@@ -10,7 +10,8 @@ gives one report per kernel: the soft-embedding GEMM from fp32 and bf16 logits n
 materialized bf16 probabilities (32 requests x 256 positions, V 262144, H 2816; inputs as
 ``bench_soft_embedding.py`` and ``bench_row_stats.py`` make them), and the
 row-statistics pass from fp32 and bf16 logits, plain and with top-k / top-p (its scan and
-search kernels). ``--only gemm`` or ``--only rows`` profiles one half.
+search kernels). ``--only gemm`` or ``--only rows`` profiles one half; ``--gemm-variant
+noexp`` (a name from ``diag_soft_embedding.VARIANTS``) profiles that variant of the GEMM.
 """
 
 from __future__ import annotations
@@ -58,7 +59,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--only", choices=("gemm", "rows"))
+    ap.add_argument("--gemm-variant", metavar="NAME",
+                    help="profile this variant of the Gluon GEMM (bench/diag_soft_embedding.py)")
     args = ap.parse_args()
+    if args.gemm_variant:
+        from diag_soft_embedding import load_variant  # this script's folder
+        se._WGMMA = load_variant(args.gemm_variant)
     cases = []
     if args.only != "rows":
         cases += gemm_cases(args.requests)
