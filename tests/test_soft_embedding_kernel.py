@@ -11,9 +11,12 @@ as specified, then ``exp(z - lse) @ E`` in float64.
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
+import sys
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -665,3 +668,19 @@ def test_gpu_wgmma_kernel_matches_the_triton_kernel(requests, logits_dtype):
     again = torch.full_like(got, POISON)
     se.soft_embedding_rows(*case.args(), keep=keep, out=again, out_index=index, wgmma=True, **case.kwargs())
     assert torch.equal(torch.nan_to_num(again, 7.0), torch.nan_to_num(got, 7.0)), "not deterministic"
+
+
+def test_diagnostic_variants_still_match_the_gluon_kernel():
+    """Each variant of ``bench/diag_soft_embedding.py`` rewrites the Gluon kernel's source by
+    text substitution; ``load_variant`` asserts that every substituted text is still there (a
+    variant that no longer matched would time the unchanged kernel under its name)."""
+    pytest.importorskip("dgemma_sampler.kernels.soft_embedding_wgmma")
+    bench = str(Path(__file__).resolve().parents[1] / "bench")
+    sys.path.insert(0, bench)
+    try:
+        diag = importlib.import_module("diag_soft_embedding")
+    finally:
+        sys.path.remove(bench)
+    for name in diag.VARIANTS:
+        module = diag.load_variant(name)
+        assert callable(module.launch), name
