@@ -38,6 +38,11 @@ How ``p`` reaches the tensor cores depends on the logits dtype (``p_in_registers
   bf16 logits: 76% of cuBLAS at 32 requests against 64% through shared memory
   (``soft_embedding-diag-h200-v14.log``).
 
+What limits it (``bench/results/ncu-h200-2026-12-03.md``): in SM cycles the kernel is at 71%
+(fp32 logits) and 77% (bf16) of cuBLAS at 32 requests, with or without the exponentials;
+they cost clock frequency under the power limit, not cycles. The gap is the GEMM's own: tiles
+that stream their operands from L2 alone, where cuBLAS multicasts one within 2-CTA clusters.
+
 Scope (``supported``): Hopper, logits fp32/bf16/fp16 whose local slice TMA can address
 (16-byte aligned rows), E bf16/fp16, no ``allowed`` mask, no softcap. ``keep`` masks rows
 (``p = 0``, an all-dropped M-tile skips its K loop) instead of compacting them. Rows past the
