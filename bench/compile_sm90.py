@@ -1,0 +1,122 @@
+"""Compile the Gluon soft-embedding GEMM for sm_90 on a machine without a GPU.
+
+Triton compiles for a target it is told, and ptxas ships in the wheel: with the driver
+replaced by a stand-in that names an H100/H200 (sm_90) and launches turned into warm-ups,
+``soft_embedding_wgmma.launch`` compiles exactly what it would run, and ptxas reports the
+registers, spills and shared memory of each specialization (fp32 / bf16 / fp16 logits, with
+and without a top-k/top-p threshold). Use it to check a kernel change before spending device
+time; speed still needs the GPU.
+
+The device runs Triton 3.6; to compile with that version here, put its wheel in a virtualenv
+of its own and borrow torch and this package from the project's ``.venv``:
+
+    python3 -m venv /tmp/t36 && /tmp/t36/bin/pip install --no-deps triton==3.6.0
+    /tmp/t36/bin/python bench/compile_sm90.py --site .venv/lib/python3.11/site-packages \\
+        [--variant noexp] [--sass /tmp/sass]
+
+With the project's own interpreter it compiles with the Triton installed there (the CI's:
+``tests/test_soft_embedding_kernel.py`` runs it).
+
+(``--variant``: a name from ``diag_soft_embedding.VARIANTS``.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import site
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--site", help="a site-packages that provides torch and dgemma_sampler, "
+                    "appended to the path (this interpreter's own packages, triton first, stay ahead)")
+    ap.add_argument("--variant", help="a diag_soft_embedding variant instead of the kernel as it is")
+    ap.add_argument("--sass", metavar="DIR", help="also write each specialization's PTX and SASS here")
+    ap.add_argument("--dtypes", default="float32,bfloat16,float16", help="logits dtypes to compile")
+    args = ap.parse_args()
+    if args.site:
+        site.addsitedir(args.site)
+
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    class Sm90Driver:
+        """Just enough of a driver for the JIT to pick sm_90 and compile."""
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+        def is_active(self):
+            return True
+
+    driver.set_active(Sm90Driver())
+    run = JITFunction.run
+    JITFunction.run = lambda self, *a, grid, warmup, **kw: run(self, *a, grid=grid, warmup=True, **kw)
+
+    from dgemma_sampler.kernels import soft_embedding as se
+    if args.variant:
+        sys.path.insert(0, HERE)
+        from diag_soft_embedding import load_variant
+        wg = load_variant(args.variant)
+    else:
+        from dgemma_sampler.kernels import soft_embedding_wgmma as wg
+    from triton.backends.nvidia.compiler import get_ptxas
+    ptxas = get_ptxas(90).path  # the ptxas this Triton compiles sm_90 with
+    print(f"triton {triton.__version__}, {ptxas}")
+    n, v, h = 8192, 4096, 2816  # the real row count and hidden size; any vocabulary compiles alike
+    failed = False
+    for dtype in (getattr(torch, name) for name in args.dtypes.split(",")):
+        logits = torch.empty(n, v, dtype=dtype)
+        embed = torch.empty(v, h, dtype=torch.bfloat16)
+        row_request = torch.zeros(n, dtype=torch.int32)
+        inv_t, lse, out = torch.ones(1), torch.zeros(n), torch.empty(n, h)
+        cfg = se.TileConfig(wg.BLOCK_M, wg.BLOCK_N, wg.BLOCK_K, wg.NUM_WARPS,
+                            wg.stages_for(dtype, embed.dtype))
+        plan = se.plan_split(n, n, h, v, cfg, 132)
+        for threshold in (None, lse):
+            kernel = wg.launch(logits, row_request, inv_t, lse, embed, None, 1.0, out, keep=None,
+                               threshold=threshold, out_index=None, vocab_start=0, plan=plan,
+                               scratch=inv_t, placeholder=inv_t)
+            name = f"{str(dtype).replace('torch.', '')}{'_threshold' if threshold is not None else ''}"
+            with tempfile.TemporaryDirectory() as tmp:
+                ptx = os.path.join(tmp, "k.ptx")
+                with open(ptx, "w") as f:
+                    f.write(kernel.asm["ptx"])
+                cubin = os.path.join(tmp, "k.cubin")
+                report = subprocess.run([ptxas, "-v", "-arch=sm_90a", ptx, "-o", cubin],
+                                        capture_output=True, text=True)
+                lines = [line.split(":", 1)[-1].strip() for line in (report.stdout + report.stderr).splitlines()
+                         if any(k in line for k in ("Used", "spill", "arning", "rror", "fatal"))]
+                print(f"{name:20s} shared {kernel.metadata.shared} B | " + " | ".join(lines))
+                failed |= report.returncode != 0
+                cuobjdump = os.path.join(os.path.dirname(ptxas), "cuobjdump")
+                if args.sass and report.returncode == 0 and os.path.exists(cuobjdump):
+                    os.makedirs(args.sass, exist_ok=True)
+                    sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True,
+                                          text=True).stdout
+                    for ext, text in (("ptx", kernel.asm["ptx"]), ("sass", sass)):
+                        with open(os.path.join(args.sass, f"{name}.{ext}"), "w") as f:
+                            f.write(text)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
