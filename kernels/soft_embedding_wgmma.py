@@ -176,13 +176,9 @@ def _store_acc(acc, row0, tile_row, col0, piece, pieces, tail_idx, tail_tiles, n
 
 
 @gluon.jit
-def _loader(WG: gl.constexpr, descs, smem, tile, row_args, out_args,
-            HAS_THRESHOLD: gl.constexpr, HAS_KEEP: gl.constexpr, HAS_OUT_INDEX: gl.constexpr,
-            NORM_IS_TENSOR: gl.constexpr, SCRATCH_N: gl.constexpr, VEC: gl.constexpr,
-            P_IN_REGISTERS: gl.constexpr):
+def _loader(descs, smem, tile):
     """The TMA partition (one warp): K step ``i`` into stage ``i % STAGES`` once both consumer
-    warpgroups have released that stage's previous use. (It takes the consumers' parameters:
-    the worker partitions of one ``warp_specialize`` are called alike.)"""
+    warpgroups have released that stage's previous use."""
     x_desc, e_desc = descs
     x_bufs, e_bufs, p_bufs, ready, empty = smem
     row0, col0, kb_begin, n_k, piece, pieces, tail_idx, tail_tiles = tile
@@ -201,23 +197,14 @@ def _loader(WG: gl.constexpr, descs, smem, tile, row_args, out_args,
 
 
 @gluon.jit
-def _k_loop_shared_p(WG: gl.constexpr, WM: gl.constexpr, BN: gl.constexpr, e_dtype: gl.constexpr,
-                     smem, n_k, rows, row_args, tile_layout: gl.constexpr, mma_layout: gl.constexpr,
-                     HAS_THRESHOLD: gl.constexpr, HAS_KEEP: gl.constexpr):
-    """``acc = p @ E`` over the K steps, ``p`` handed to the wgmma through shared memory: the
+def _k_loop_shared_p(WG: gl.constexpr, WM: gl.constexpr, e_dtype: gl.constexpr, smem, n_k, acc,
+                     inv_t, neg_lse2, threshold, tile_layout: gl.constexpr,
+                     HAS_THRESHOLD: gl.constexpr):
+    """``acc += p @ E`` over the K steps, ``p`` handed to the wgmma through shared memory: the
     logits tile read conflict-free in ``tile_layout`` (module docstring), ``p`` stored to this
     warpgroup's p buffers, one wgmma in flight while the next ``p`` is made."""
     x_bufs, e_bufs, p_bufs, ready, empty = smem
-    n_rows, row_request_ptr, inv_t_ptr, lse_ptr, threshold_ptr, keep_ptr = row_args
     STAGES: gl.constexpr = x_bufs.type.shape[0]
-    live, inv_t, neg_lse2, threshold = _row_constants(
-        rows, n_rows, row_request_ptr, inv_t_ptr, lse_ptr, threshold_ptr, keep_ptr, HAS_KEEP,
-        HAS_THRESHOLD)
-    acc = gl.zeros([WM, BN], gl.float32, layout=mma_layout)
-    # Pin the zeros before the loop's zero-trip branch: otherwise LLVM sinks a second zero
-    # accumulator into the path that skips the loop, and ptxas, seeing non-wgmma definitions
-    # of accumulator registers, serializes every wgmma (advisory C7515).
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     for i in range(n_k):
         stage = i % STAGES
         mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
@@ -238,21 +225,15 @@ def _k_loop_shared_p(WG: gl.constexpr, WM: gl.constexpr, BN: gl.constexpr, e_dty
 
 
 @gluon.jit
-def _k_loop_register_p(WG: gl.constexpr, WM: gl.constexpr, BN: gl.constexpr, e_dtype: gl.constexpr,
-                       smem, n_k, rows, row_args, a_layout: gl.constexpr, mma_layout: gl.constexpr,
-                       HAS_THRESHOLD: gl.constexpr, HAS_KEEP: gl.constexpr):
-    """``acc = p @ E`` over the K steps, ``p`` the wgmma's register operand: the logits tile is
+def _k_loop_register_p(WG: gl.constexpr, WM: gl.constexpr, e_dtype: gl.constexpr, smem, n_k, acc,
+                       inv_t, neg_lse2, threshold, a_layout: gl.constexpr,
+                       HAS_THRESHOLD: gl.constexpr):
+    """``acc += p @ E`` over the K steps, ``p`` the wgmma's register operand: the logits tile is
     read straight in the A-operand layout (``ldmatrix`` for 16-bit logits), the next ``p`` is
     made while the wgmma runs, and the wgmma is waited for before its operand registers are
     rewritten (the other warpgroup's wgmma keeps the tensor cores busy meanwhile)."""
     x_bufs, e_bufs, p_bufs, ready, empty = smem
-    n_rows, row_request_ptr, inv_t_ptr, lse_ptr, threshold_ptr, keep_ptr = row_args
     STAGES: gl.constexpr = x_bufs.type.shape[0]
-    live, inv_t, neg_lse2, threshold = _row_constants(
-        rows, n_rows, row_request_ptr, inv_t_ptr, lse_ptr, threshold_ptr, keep_ptr, HAS_KEEP,
-        HAS_THRESHOLD)
-    acc = gl.zeros([WM, BN], gl.float32, layout=mma_layout)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))  # pinned (above)
     mbarrier.wait(ready.index(0), 0, pred=n_k > 0)
     x = x_bufs.index(0).slice(WG * WM, WM).load(a_layout).to(gl.float32)
     p = _probabilities(x, inv_t, neg_lse2, threshold, HAS_THRESHOLD, e_dtype)
@@ -285,17 +266,28 @@ def _consumer(WG: gl.constexpr, descs, smem, tile, row_args, out_args,
     WM: gl.constexpr = BM // 2
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BN, 16])
+    # The layout the logits tile is read in: the A operand's, or rows of 8 threads x 16 bytes.
     if P_IN_REGISTERS:
-        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
-        rows = row0 + WG * WM + gl.arange(0, WM, layout=gl.SliceLayout(1, a_layout))
-        acc = _k_loop_register_p(WG, WM, BN, e_desc.dtype, smem, n_k, rows, row_args, a_layout,
-                                 mma_layout, HAS_THRESHOLD, HAS_KEEP)
+        x_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
     else:
-        tile_layout: gl.constexpr = gl.BlockedLayout([1, VEC], [4, 8], [4, 1], [1, 0])
-        rows = row0 + WG * WM + gl.arange(0, WM, layout=gl.SliceLayout(1, tile_layout))
-        acc = _k_loop_shared_p(WG, WM, BN, e_desc.dtype, smem, n_k, rows, row_args, tile_layout,
-                               mma_layout, HAS_THRESHOLD, HAS_KEEP)
-    _store_acc(acc, row0, WG * WM, col0, piece, pieces, tail_idx, tail_tiles, row_args[0], hidden,
+        x_layout: gl.constexpr = gl.BlockedLayout([1, VEC], [4, 8], [4, 1], [1, 0])
+    n_rows, row_request_ptr, inv_t_ptr, lse_ptr, threshold_ptr, keep_ptr = row_args
+    rows = row0 + WG * WM + gl.arange(0, WM, layout=gl.SliceLayout(1, x_layout))
+    live, inv_t, neg_lse2, threshold = _row_constants(
+        rows, n_rows, row_request_ptr, inv_t_ptr, lse_ptr, threshold_ptr, keep_ptr, HAS_KEEP,
+        HAS_THRESHOLD)
+    acc = gl.zeros([WM, BN], gl.float32, layout=mma_layout)
+    # Pin the zeros before the loop's zero-trip branch: otherwise LLVM sinks a second zero
+    # accumulator into the path that skips the loop, and ptxas, seeing non-wgmma definitions
+    # of accumulator registers, serializes every wgmma (advisory C7515).
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    if P_IN_REGISTERS:
+        acc = _k_loop_register_p(WG, WM, e_desc.dtype, smem, n_k, acc, inv_t, neg_lse2, threshold,
+                                 x_layout, HAS_THRESHOLD)
+    else:
+        acc = _k_loop_shared_p(WG, WM, e_desc.dtype, smem, n_k, acc, inv_t, neg_lse2, threshold,
+                               x_layout, HAS_THRESHOLD)
+    _store_acc(acc, row0, WG * WM, col0, piece, pieces, tail_idx, tail_tiles, n_rows, hidden,
                stride_out, norm_ptr, norm_value, out_ptr, out_index_ptr, scratch_ptr, BM,
                HAS_OUT_INDEX, NORM_IS_TENSOR, SCRATCH_N)
 
@@ -354,8 +346,7 @@ def soft_embedding_wgmma_kernel(
                      HAS_OUT_INDEX, NORM_IS_TENSOR, SCRATCH_N, VEC, P_IN_REGISTERS)),
         (_consumer, (1, descs, smem, tile, row_args, out_args, HAS_THRESHOLD, HAS_KEEP,
                      HAS_OUT_INDEX, NORM_IS_TENSOR, SCRATCH_N, VEC, P_IN_REGISTERS)),
-        (_loader, (0, descs, smem, tile, row_args, out_args, HAS_THRESHOLD, HAS_KEEP,
-                   HAS_OUT_INDEX, NORM_IS_TENSOR, SCRATCH_N, VEC, P_IN_REGISTERS)),
+        (_loader, (descs, smem, tile)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
