@@ -6,7 +6,10 @@ three ways and prints a torch.profiler table of the host-side operators:
 * ``events``  CUDA events around the eager step (what ``bench_step.py`` reports);
 * ``wall``    host wall clock of the eager step, synchronised at both ends;
 * ``graph``   replay of the step captured in a CUDA graph (``sampler.graphable``): kernel
-              time with no host work at all, the floor of what the eager step could reach.
+              time with no host work at all, the floor of what the eager step could reach;
+* ``host``    host time of one eager step started on an idle GPU and not waited for (launches
+              are asynchronous, so this is the Python and launch cost alone), split into the
+              row-statistics call, the soft-embedding call and the rest (planning, state update).
 
     python bench/profile_step.py --requests 1,32
 
@@ -42,6 +45,39 @@ if "--count" in sys.argv and not torch.cuda.is_available():
 from bench_step import device_timer, make_sampler  # noqa: E402  (this script's folder)
 from torch.overrides import TorchFunctionMode  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+
+def host_phases(sampler, step, reps):
+    """Median host milliseconds of ``step`` and of its row-statistics / soft-embedding calls,
+    each step started on an idle device and not synchronised at its end."""
+    spent = collections.Counter()
+
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[name] += time.perf_counter() - t0
+        return wrapper
+
+    stats_fn, soft_fn = sampler.stats_fn, sampler.soft_fn
+    sampler.stats_fn, sampler.soft_fn = timed("stats", stats_fn), timed("soft", soft_fn)
+    rows = []
+    try:
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            spent.clear()
+            t0 = time.perf_counter()
+            step()
+            total = time.perf_counter() - t0
+            rows.append((total, spent["stats"], spent["soft"]))
+    finally:
+        sampler.stats_fn, sampler.soft_fn = stats_fn, soft_fn
+        torch.cuda.synchronize()
+    total, stats, soft = (statistics.median(c) * 1e3 for c in zip(*rows))
+    return {"host_ms": total, "host_stats_ms": stats, "host_soft_ms": soft,
+            "host_rest_ms": total - stats - soft}
 
 
 def wall_ms(fn, reps):
@@ -252,6 +288,8 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=None, help="default 2816 (timing) / 64 (count)")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--rows", type=int, default=25, help="profiler table rows")
+    p.add_argument("--cprofile", action="store_true",
+                   help="timing mode: also print cProfile's top functions (cumulative) of the eager steps")
     p.add_argument("--out", default=None, help="JSON results (default bench/results/profile_step[-count].json)")
     args = p.parse_args()
     small = args.count
@@ -274,6 +312,7 @@ def main() -> None:
             step()
         ev = device_timer(step, 0, args.reps, True)
         wall = wall_ms(step, args.reps)
+        host = host_phases(sampler, step, args.reps)
         run = sampler.graphable(slots)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -284,8 +323,24 @@ def main() -> None:
         with torch.cuda.graph(graph):
             run(logits)
         graph_ms = device_timer(graph.replay, 0, args.reps, True)
-        print(f"\n== {n} requests: events {ev:.3f} ms  wall {wall:.3f} ms  graph replay {graph_ms:.3f} ms")
-        results.append({"requests": n, "events_ms": ev, "wall_ms": wall, "graph_ms": graph_ms})
+        print(f"\n== {n} requests: events {ev:.3f} ms  wall {wall:.3f} ms  graph replay {graph_ms:.3f} ms"
+              f"  host {host['host_ms']:.3f} ms (row stats {host['host_stats_ms']:.3f}, soft embedding"
+              f" {host['host_soft_ms']:.3f}, rest {host['host_rest_ms']:.3f})")
+        results.append({"requests": n, "events_ms": ev, "wall_ms": wall, "graph_ms": graph_ms, **host})
+        if args.cprofile:
+            import cProfile
+            import pstats
+
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(args.reps):
+                step()
+            prof.disable()
+            torch.cuda.synchronize()
+            print(f"cProfile of {args.reps} eager steps, {n} requests (cumulative):")
+            pstats.Stats(prof).sort_stats("cumulative").print_stats(args.rows * 2)
+            pstats.Stats(prof).sort_stats("tottime").print_stats(args.rows)
+            pstats.Stats(prof).sort_stats("cumulative").print_callees("decode_step|__call__|row_stats_rows|soft_embedding_rows")
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
@@ -296,9 +351,11 @@ def main() -> None:
         print(ka.table(sort_by="self_device_time_total", row_limit=12))
         del logits, sampler, graph
         torch.cuda.empty_cache()
-    print("\nrequests  events ms  wall ms  graph replay ms")
+    print("\nrequests  events ms  wall ms  graph replay ms  host ms (row stats / soft emb. / rest)")
     for r in results:
-        print(f"{r['requests']:8d}  {r['events_ms']:9.3f}  {r['wall_ms']:7.3f}  {r['graph_ms']:15.3f}")
+        print(f"{r['requests']:8d}  {r['events_ms']:9.3f}  {r['wall_ms']:7.3f}  {r['graph_ms']:15.3f}"
+              f"  {r['host_ms']:7.3f} ({r['host_stats_ms']:.3f} / {r['host_soft_ms']:.3f}"
+              f" / {r['host_rest_ms']:.3f})")
     out = Path(args.out or "bench/results/profile_step.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))

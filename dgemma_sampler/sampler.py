@@ -21,6 +21,7 @@ Transient bytes per request (the budget formula, ``bytes_per_request``):
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from .config import SamplerConfig
 from .ops import FLOAT_DTYPES, check_tensor, resolve_backend
 from .state import DiffusionState, to_device_int64
 from .step import StepLayout, StepOutput, decode_step, step_layout
+from .update_graph import UpdateGraph
 
 STAT_BYTES = 64
 TORCH_BYTES_PER_ENTRY = 48
@@ -81,6 +83,9 @@ class DiffusionSampler:
     sc_reduce : in-place all-reduce of soft-embedding partial sums across ranks.
     memory_fraction : share of the free device memory the step's temporaries may use.
     budget_bytes : fixed budget instead of ``memory_fraction`` of the free memory.
+    graph_update : replay the logits-free parts of a step (per-request gathers, state update)
+        from CUDA graphs once a batch shape repeats (``update_graph.py``); default: on CUDA,
+        unless ``DGEMMA_GRAPH_UPDATE=0``.
     """
 
     def __init__(
@@ -96,6 +101,7 @@ class DiffusionSampler:
         memory_fraction: float = 0.5,
         budget_bytes: int | None = None,
         hidden_tile_bytes: int = 1 << 30,
+        graph_update: bool | None = None,
     ) -> None:
         if not isinstance(cfg, SamplerConfig):
             raise TypeError(f"cfg must be a SamplerConfig, got {type(cfg).__name__}")
@@ -117,6 +123,11 @@ class DiffusionSampler:
         self.memory_fraction = memory_fraction
         self.budget_bytes = budget_bytes
         self.hidden_tile_bytes = hidden_tile_bytes
+        if graph_update is None:
+            graph_update = state.device.type == "cuda" and os.environ.get("DGEMMA_GRAPH_UPDATE") != "0"
+        elif graph_update and state.device.type != "cuda":
+            raise ValueError("graph_update needs a CUDA device")
+        self.graph_update = bool(graph_update)
         self.stats_fn, self.soft_fn, self.logprobs_fn = backend_functions(self.backend)
         self.pending_logprobs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.last_tile_requests = 0
@@ -318,6 +329,8 @@ class DiffusionSampler:
             width=width_t, W=W, top_k=top_k, top_p=top_p,
             allowed=None if column_tokens is not None else state.allowed_mask(tile_slots, vocab),
             layout=layout,
+            # Only a cached plan is seen again; constrained reads bring new columns every step.
+            update_graph=UpdateGraph() if cache and self.graph_update and column_tokens is None else None,
         )
         if cache and plan.allowed is None:  # ([n, V] masks are not worth holding on to)
             self._plans[key] = plan
@@ -340,6 +353,7 @@ class DiffusionSampler:
             vocab_start=self.vocab_start if column_tokens is None else 0,
             sc_reduce=self.sc_reduce,
             layout=plan.layout, noise_backend=self.backend,
+            update_runner=plan.update_graph,
         )
 
     def _project(self, hidden: torch.Tensor, weight: torch.Tensor, lengths) -> torch.Tensor:
@@ -418,6 +432,7 @@ class _TilePlan:
     top_p: torch.Tensor | None
     allowed: torch.Tensor | None
     layout: StepLayout
+    update_graph: UpdateGraph | None = None
 
 
 def _concat(outputs: list[StepOutput]) -> StepOutput:

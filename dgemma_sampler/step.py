@@ -19,7 +19,9 @@ Host cost. An eager step is bound by how many operators the host dispatches (eac
 that number small: what depends only on the batch's shape lives in a ``StepLayout`` that the
 dispatcher builds once per batch shape; a step whose rows fill every canvas (the common
 case) takes the flat statistics as ``[n, W]`` views; the two keyed random canvases come from
-one Triton launch; and masks that are all True are not applied.
+one Triton launch; and masks that are all True are not applied. What remains is replayed from
+CUDA graphs once a batch shape repeats (``update_runner``, ``update_graph.py``): the state
+update is ``update_after_stats``, which reads no logits.
 """
 
 from __future__ import annotations
@@ -316,6 +318,7 @@ def decode_step(
     sc_reduce: Callable[[torch.Tensor], None] | None = None,
     layout: StepLayout | None = None,
     noise_backend: str = "auto",
+    update_runner: Callable | None = None,
 ) -> StepOutput:
     """Run one decode step for the requests in ``slots`` (device tensors, no host sync).
 
@@ -327,46 +330,47 @@ def decode_step(
     tensor-parallel ranks (in place) when the embedding is a vocabulary slice.
     ``layout`` is the batch's ``step_layout`` when the caller keeps one (built here
     otherwise); ``noise_backend`` picks the random-canvas implementation (``use_triton_noise``).
+    ``update_runner`` (``update_graph.UpdateGraph``) runs the step's logits-free parts for
+    the caller, from CUDA graphs: ``prologue(fn, device)`` the per-request gathers,
+    ``update_runner(update, flat)`` the state update (``update_after_stats``) and
+    ``detach(out)`` hands the output over; by default they are called directly.
     """
     n = slots.numel()
     n_rows, cols = logits.shape
     if layout is None:
         layout = step_layout(state, slots, row_starts, valid_len, width, W, n_rows)
-    request, position = layout.request, layout.position
-    temperature = temperature_of(slots)
-    seeds = state.seeds[slots]
-    draws = state.draws[slots]
+    request = layout.request
+
+    def prologue():
+        return temperature_of(slots), state.seeds[slots], state.draws[slots]
+
+    if update_runner is None:
+        temperature, seeds, draws = prologue()
+    else:
+        temperature, seeds, draws = update_runner.prologue(prologue, slots.device)
     kwargs = dict(softcap=softcap, top_k=top_k, top_p=top_p, allowed=allowed)
     if column_tokens is not None:
         kwargs["column_tokens"] = column_tokens
-    flat = stats_fn(logits, request, position, temperature, seeds, draws, **kwargs)
-    if layout.dense:
-        # Every canvas is full: rows are the [n, W] positions in order, nothing to pad.
-        stats = RowStats(*(t.reshape(n, W) for t in flat.as_tuple()))
-    else:
-        phantom_argmax = 0 if column_tokens is None else column_tokens[0]
-        stats = _stats_padded(flat, request, position, n, W, math.log(cols), phantom_argmax)
+    flat = stats_fn(logits, request, layout.position, temperature, seeds, draws, **kwargs)
+    soft = soft_fn is not None and embed_weight is not None
+    phantom_argmax = 0 if column_tokens is None else column_tokens[0]
 
-    sampled, num_sampled, sc_keep, just_converged, pinned = denoise_update(
-        state, slots, stats, valid_len, width, W,
-        confidence_threshold=confidence_threshold, entropy_bound=entropy_bound,
-        vocab_size=vocab_size, layout=layout, seeds=seeds, draws=draws,
-        noise_backend=noise_backend,
-    )
+    def update(flat_stats: RowStats, gather: bool = False) -> tuple[StepOutput, torch.Tensor | None]:
+        # ``gather``: read seeds and draws from the state here (a captured update must not
+        # hold on to this step's gathered copies).
+        return update_after_stats(
+            state, flat_stats, slots, valid_len, width, W, layout=layout,
+            confidence_threshold=confidence_threshold, entropy_bound=entropy_bound,
+            vocab_size=vocab_size, phantom_entropy=math.log(cols), phantom_argmax=phantom_argmax,
+            seeds=None if gather else seeds, draws=None if gather else draws,
+            noise_backend=noise_backend, soft=soft)
 
-    # 7. Self-conditioning: written straight into the slot-indexed state rows.
-    sc = state.self_conditioning_embeds
-    # index_fill_ takes the 0 as a kernel argument: no host-to-device copy, so the step can be
-    # captured in a CUDA graph (the whole canvas rows are cleared; positions past a request's
-    # width are never read).
-    sc.index_fill_(0, slots, 0.0)
-    if soft_fn is not None and embed_weight is not None:
-        if pinned is None:
-            keep = sc_keep[request]
-        elif layout.dense:
-            keep = (sc_keep.unsqueeze(1) & ~pinned).view(-1)
-        else:
-            keep = (sc_keep.unsqueeze(1) & ~pinned)[request, position]
+    out, keep = update(flat) if update_runner is None else update_runner(update, flat)
+
+    # 7. Self-conditioning: written straight into the slot-indexed state rows (cleared by
+    # the update).
+    if soft:
+        sc = state.self_conditioning_embeds
         sc_rows = sc.view(-1, sc.shape[-1])
         # Without top-k / top-p every threshold is -inf: pass none (the Hopper kernel then
         # skips a compare and a select per probability).
@@ -379,5 +383,65 @@ def decode_step(
             part = sc[slots, :W]
             sc_reduce(part)
             sc[slots, :W] = part
-    return StepOutput(sampled=sampled, num_sampled=num_sampled, just_converged=just_converged,
-                      stats=stats)
+    # (After the GEMM's launch: what the caller keeps leaves the runner's memory last.)
+    return out if update_runner is None else update_runner.detach(out)
+
+
+def update_after_stats(
+    state,
+    flat: RowStats,
+    slots: torch.Tensor,
+    valid_len: torch.Tensor,
+    width: torch.Tensor,
+    W: int,
+    *,
+    layout: StepLayout,
+    confidence_threshold: float,
+    entropy_bound: float,
+    vocab_size: int,
+    phantom_entropy: float,
+    phantom_argmax: int | torch.Tensor,
+    seeds: torch.Tensor | None = None,
+    draws: torch.Tensor | None = None,
+    noise_backend: str = "auto",
+    soft: bool = True,
+) -> tuple[StepOutput, torch.Tensor | None]:
+    """Everything of a step between the row statistics and the soft embedding.
+
+    Reads the flat-row statistics, the state and the layout and nothing else (no logits, no
+    host values that change between steps of one batch shape), so a batch that keeps its
+    shape can replay it from a CUDA graph (``update_graph.py``). Returns the step's output
+    and ``keep`` (which rows get a soft embedding; None when ``soft`` is False), and clears
+    the self-conditioning rows of ``slots``.
+    """
+    n = slots.numel()
+    request, position = layout.request, layout.position
+    if layout.dense:
+        # Every canvas is full: rows are the [n, W] positions in order, nothing to pad.
+        stats = RowStats(*(t.reshape(n, W) for t in flat.as_tuple()))
+    else:
+        stats = _stats_padded(flat, request, position, n, W, phantom_entropy, phantom_argmax)
+
+    sampled, num_sampled, sc_keep, just_converged, pinned = denoise_update(
+        state, slots, stats, valid_len, width, W,
+        confidence_threshold=confidence_threshold, entropy_bound=entropy_bound,
+        vocab_size=vocab_size, layout=layout, seeds=seeds, draws=draws,
+        noise_backend=noise_backend,
+    )
+
+    sc = state.self_conditioning_embeds
+    # index_fill_ takes the 0 as a kernel argument: no host-to-device copy, so the step can be
+    # captured in a CUDA graph (the whole canvas rows are cleared; positions past a request's
+    # width are never read).
+    sc.index_fill_(0, slots, 0.0)
+    keep = None
+    if soft:
+        if pinned is None:
+            keep = sc_keep[request]
+        elif layout.dense:
+            keep = (sc_keep.unsqueeze(1) & ~pinned).view(-1)
+        else:
+            keep = (sc_keep.unsqueeze(1) & ~pinned)[request, position]
+    out = StepOutput(sampled=sampled, num_sampled=num_sampled, just_converged=just_converged,
+                     stats=stats)
+    return out, keep

@@ -1,0 +1,153 @@
+"""The logits-free parts of a decode step, replayed from CUDA graphs while the batch keeps its shape.
+
+Around the two kernels that read the logits a step runs ~60 small PyTorch operators: before
+them the per-request gathers (temperature, seeds, draws), between them the state update
+(padding, acceptance sort, renoise, ring, convergence, commit bookkeeping; see
+``step.update_after_stats``). Each costs the host 15-25 us to dispatch and the GPU ~1-2 us to
+run, so with few requests the eager step is bound by the host: at 1 request on an H200 it
+took 3.0 ms of host time for 1.15 ms of kernels, and the GEMM, which needs the update's
+``keep``, was launched only after ~2 ms (``bench/results/profile_step-h200-v3.log``).
+
+Neither part reads the logits: the gathers read the persistent state, the update the flat
+statistics, the state and the batch's layout. So each is captured once per tile plan and
+replayed, and the logits-reading kernels stay outside the graphs (their input moves from step
+to step):
+
+* ``prologue``: replayed; its outputs stay in the graph's memory, read by this step's kernels
+  on the same stream before any later replay rewrites them.
+* ``update``: the six statistics vectors are copied into the graph's input buffers (one
+  ``_foreach_copy_`` per dtype) and the graph replayed. ``keep`` stays the graph's (the GEMM
+  launched next reads it); the outputs that leave the step are copied out of the graph's
+  memory by ``detach`` after the GEMM's launch, and statistics that are mere views of the
+  inputs (full canvases) are returned as views of the step's own statistics instead.
+
+A plan is captured on its second use (``CAPTURE_AFTER``): a batch shape that occurs once pays
+nothing, and every kernel the parts launch has been compiled by then. Replays are
+bit-identical to the eager parts (same kernels, same order). Launching a graph is not free
+either (~0.19 ms of host time for the update's ~80 nodes on the H200), but it is one call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .reference import RowStats
+from .step import StepOutput
+
+# Eager uses of a tile plan before its parts are captured.
+CAPTURE_AFTER = 1
+
+
+def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """``d.copy_(s)`` for each pair, one ``_foreach_copy_`` launch per dtype."""
+    groups: dict[torch.dtype, tuple[list, list]] = {}
+    for d, s in zip(dst, src):
+        ds, ss = groups.setdefault(d.dtype, ([], []))
+        ds.append(d)
+        ss.append(s)
+    for ds, ss in groups.values():
+        torch._foreach_copy_(ds, ss)
+
+
+def _escaping(out: StepOutput) -> list[torch.Tensor]:
+    return [out.sampled, out.num_sampled, out.just_converged, *out.stats.as_tuple()]
+
+
+def _capture(fn: Callable, device: torch.device):
+    """``(graph, fn())`` with ``fn``'s kernels recorded, not run (run them by replaying)."""
+    graph = torch.cuda.CUDAGraph()
+    current = torch.cuda.current_stream(device)
+    stream = torch.cuda.Stream(device=device)
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        graph.capture_begin()
+        try:
+            result = fn()
+        finally:
+            graph.capture_end()
+    current.wait_stream(stream)
+    return graph, result
+
+
+class UpdateGraph:
+    """``update_runner`` of ``step.decode_step``: each part eager for its first
+    ``capture_after`` calls, then captured once and replayed.
+
+    The parts must be the same every time they are asked for: the owner keeps one runner per
+    tile plan (same slots, widths, valid lengths and state generation).
+    """
+
+    def __init__(self, capture_after: int = CAPTURE_AFTER):
+        self.capture_after = capture_after
+        self.prologue_calls = self.update_calls = 0
+        self.prologue_graph: torch.cuda.CUDAGraph | None = None
+        self.graph: torch.cuda.CUDAGraph | None = None  # the update's
+        self._prologue_out = None
+        self._inputs: RowStats | None = None
+        self._outputs: tuple[StepOutput, torch.Tensor | None] | None = None
+        self._aliases: list[int | None] = []
+        self._flat: RowStats | None = None  # the replayed step's own statistics (``detach``)
+
+    def _eager(self, calls: int) -> bool:
+        return calls <= self.capture_after or torch.cuda.is_current_stream_capturing()
+
+    def prologue(self, fn: Callable[[], tuple], device: torch.device) -> tuple:
+        """``fn()`` (no inputs; reads the state), its outputs valid for this step only."""
+        self.prologue_calls += 1
+        if self.prologue_graph is None:
+            if self._eager(self.prologue_calls):
+                return fn()
+            self.prologue_graph, self._prologue_out = _capture(fn, device)
+        self.prologue_graph.replay()
+        return self._prologue_out
+
+    def __call__(self, update: Callable[..., tuple[StepOutput, torch.Tensor | None]],
+                 flat: RowStats) -> tuple[StepOutput, torch.Tensor | None]:
+        """``update(flat)``; a replayed step's output is the graph's until ``detach``."""
+        self.update_calls += 1
+        self._flat = None
+        if self.graph is None:
+            if self._eager(self.update_calls):
+                return update(flat)
+            self._capture_update(update, flat)
+        _copy_all(list(self._inputs.as_tuple()), list(flat.as_tuple()))
+        self.graph.replay()
+        self._flat = flat
+        return self._outputs
+
+    def detach(self, out: StepOutput) -> StepOutput:
+        """The step's output in memory of its own (the next replay rewrites the graph's)."""
+        if self._flat is None or out is not self._outputs[0]:
+            return out  # an eager update's output is already the caller's
+        flat_parts = self._flat.as_tuple()
+        self._flat = None
+        leaving, fresh, parts = [], [], []
+        for t, source in zip(_escaping(out), self._aliases):
+            if source is not None:
+                parts.append(flat_parts[source].view(t.shape))
+            else:
+                copy = torch.empty_like(t)
+                leaving.append(t)
+                fresh.append(copy)
+                parts.append(copy)
+        _copy_all(fresh, leaving)
+        sampled, num_sampled, just_converged, *stats = parts
+        return StepOutput(sampled=sampled, num_sampled=num_sampled, just_converged=just_converged,
+                          stats=RowStats(*stats))
+
+    def _capture_update(self, update, flat: RowStats) -> None:
+        self._inputs = RowStats(*(torch.empty_like(t) for t in flat.as_tuple()))
+        # ``gather``: the graph reads seeds and draws from the state itself.
+        self.graph, self._outputs = _capture(lambda: update(self._inputs, True), flat.argmax.device)
+        # Which escaping outputs are whole, contiguous views of an input buffer.
+        inputs = self._inputs.as_tuple()
+        self._aliases = []
+        for t in _escaping(self._outputs[0]):
+            source = None
+            for i, x in enumerate(inputs):
+                if (t.data_ptr() == x.data_ptr() and t.numel() == x.numel() and t.dtype == x.dtype
+                        and t.is_contiguous()):
+                    source = i
+            self._aliases.append(source)
