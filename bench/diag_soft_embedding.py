@@ -70,6 +70,11 @@ VARIANTS = {
     # K loops of the consumer warpgroups; the default picks one per logits dtype)
     "p_shared": [("    return logits_dtype != torch.float32\n", "    return False\n")],
     "p_registers": [("    return logits_dtype != torch.float32\n", "    return True\n")],
+    # the logits loaded by the consumer warps into the A-operand registers (pointer loads, one
+    # K step ahead), the TMA warp streaming E alone: no shared-memory traffic for the logits
+    # (TMA write, shared read, and for fp32 the p store and the wgmma's A read)
+    "x_pointers": [("        return forced == \"1\"\n    return False\n",
+                    "        return forced == \"1\"\n    return True\n")],
     # fewer pipeline stages (bf16 logits get 4 by default, fp32 3): with bf16 logits the L2
     # hit rate falls to 30% at 32 requests (Nsight Compute, 78% from fp32 logits), as if the
     # programs of a wave drifted apart in K; does a shorter lookahead keep them together?
