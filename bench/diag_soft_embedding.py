@@ -62,6 +62,10 @@ def _mixed_exp2(pack: int) -> str:
 # - a warpgroup of its own making p for the whole tile, two warpgroups only issuing wgmma:
 #   70% / 72% against 73% / 73% for this kernel in one run (-v15-softmax-wg; the code is in
 #   commit 73c1805).
+# - the logits loaded by the consumer warps straight into the wgmma A-operand registers (pointer
+#   loads one K step ahead, E alone by TMA; no shared-memory traffic for the logits): 50% / 59%
+#   against 73% / 73% at 32 requests, 54% / 62% against 78% / 75% at 4 (-v16-pointer-r*.log,
+#   fp32 outputs bit-identical; the code is in commit 2e35480).
 
 # name -> list of (old, new) substitutions
 VARIANTS = {
@@ -70,11 +74,6 @@ VARIANTS = {
     # K loops of the consumer warpgroups; the default picks one per logits dtype)
     "p_shared": [("    return logits_dtype != torch.float32\n", "    return False\n")],
     "p_registers": [("    return logits_dtype != torch.float32\n", "    return True\n")],
-    # the logits loaded by the consumer warps into the A-operand registers (pointer loads, one
-    # K step ahead), the TMA warp streaming E alone: no shared-memory traffic for the logits
-    # (TMA write, shared read, and for fp32 the p store and the wgmma's A read)
-    "x_pointers": [("        return forced == \"1\"\n    return False\n",
-                    "        return forced == \"1\"\n    return True\n")],
     # fewer pipeline stages (bf16 logits get 4 by default, fp32 3): with bf16 logits the L2
     # hit rate falls to 30% at 32 requests (Nsight Compute, 78% from fp32 logits), as if the
     # programs of a wave drifted apart in K; does a shorter lookahead keep them together?

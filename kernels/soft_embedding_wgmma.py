@@ -54,8 +54,6 @@ interpreter: on the CPU the Triton kernel runs; this one is tested on the GPU ag
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -178,13 +176,13 @@ def _store_acc(acc, row0, tile_row, col0, piece, pieces, tail_idx, tail_tiles, n
 
 
 @gluon.jit
-def _loader(descs, smem, tile, X_BY_POINTER: gl.constexpr):
+def _loader(descs, smem, tile):
     """The TMA partition (one warp): K step ``i`` into stage ``i % STAGES`` once both consumer
-    warpgroups have released that stage's previous use (``X_BY_POINTER``: the E tile only)."""
+    warpgroups have released that stage's previous use."""
     x_desc, e_desc = descs
     x_bufs, e_bufs, p_bufs, ready, empty = smem
     row0, col0, kb_begin, n_k, piece, pieces, tail_idx, tail_tiles = tile
-    STAGES: gl.constexpr = e_bufs.type.shape[0]
+    STAGES: gl.constexpr = x_bufs.type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     for i in range(n_k):
         stage = i % STAGES
@@ -192,12 +190,9 @@ def _loader(descs, smem, tile, X_BY_POINTER: gl.constexpr):
         # round of waits (parity 1) passes at once.
         mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
         bar = ready.index(stage)
+        mbarrier.expect(bar, x_desc.block_type.nbytes + e_desc.block_type.nbytes)
         kb = kb_begin + i
-        if X_BY_POINTER:
-            mbarrier.expect(bar, e_desc.block_type.nbytes)
-        else:
-            mbarrier.expect(bar, x_desc.block_type.nbytes + e_desc.block_type.nbytes)
-            _tma_load(x_desc, [row0, kb * BK], bar, x_bufs.index(stage))
+        _tma_load(x_desc, [row0, kb * BK], bar, x_bufs.index(stage))
         _tma_load(e_desc, [kb * BK, col0], bar, e_bufs.index(stage))
 
 
@@ -257,47 +252,10 @@ def _k_loop_register_p(WG: gl.constexpr, WM: gl.constexpr, e_dtype: gl.constexpr
 
 
 @gluon.jit
-def _k_loop_pointer_x(WG: gl.constexpr, WM: gl.constexpr, e_dtype: gl.constexpr, smem, n_k, acc,
-                      inv_t, neg_lse2, threshold, rows, live, x_args, a_layout: gl.constexpr,
-                      HAS_THRESHOLD: gl.constexpr):
-    """``acc += p @ E`` with the logits loaded by the consumer warps from global memory straight
-    into the A-operand register layout, one K step ahead (``X_BY_POINTER``, module docstring):
-    no shared-memory round trip for the logits, the TMA warp streams E alone.
-
-    Loads carry no mask, so that they stay 2-entry vectors: a dropped or out-of-range row reads
-    row 0 (its p is 0 through ``neg_lse2``), and the K offset is clamped to the last K block of
-    the row (the prefetch past a piece's end re-reads a block, unused); ``logits_by_pointer``
-    asks for whole K blocks."""
-    x_bufs, e_bufs, p_bufs, ready, empty = smem
-    STAGES: gl.constexpr = e_bufs.type.shape[0]
-    BK: gl.constexpr = e_bufs.type.shape[1]
-    x_ptr, stride_x, v_local, kb_begin = x_args
-    row_base = x_ptr + gl.where(live, rows, 0).to(gl.int64) * stride_x
-    cols = gl.arange(0, BK, layout=gl.SliceLayout(0, a_layout))
-    k_first = kb_begin * BK
-    k_max = v_local - BK
-    x = gl.load(gl.expand_dims(row_base, 1) + gl.expand_dims(cols + gl.minimum(k_first, k_max), 0))
-    p = _probabilities(x.to(gl.float32), inv_t, neg_lse2, threshold, HAS_THRESHOLD, e_dtype)
-    x = gl.load(gl.expand_dims(row_base, 1) + gl.expand_dims(cols + gl.minimum(k_first + BK, k_max), 0))
-    for i in range(n_k):
-        stage = i % STAGES
-        mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
-        acc = warpgroup_mma(p, e_bufs.index(stage), acc, is_async=True)
-        # Step i + 1's p while this wgmma runs, then step i + 2's logits into the freed registers.
-        p = _probabilities(x.to(gl.float32), inv_t, neg_lse2, threshold, HAS_THRESHOLD, e_dtype)
-        k = gl.minimum(k_first + (i + 2) * BK, k_max)
-        x = gl.load(gl.expand_dims(row_base, 1) + gl.expand_dims(cols + k, 0))
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        _cta_barrier()  # every warp's wgmma of this step is done: release its stage
-        mbarrier.arrive(empty.index(stage))
-    return acc
-
-
-@gluon.jit
 def _consumer(WG: gl.constexpr, descs, smem, tile, row_args, out_args,
               HAS_THRESHOLD: gl.constexpr, HAS_KEEP: gl.constexpr, HAS_OUT_INDEX: gl.constexpr,
               NORM_IS_TENSOR: gl.constexpr, SCRATCH_N: gl.constexpr, VEC: gl.constexpr,
-              P_IN_REGISTERS: gl.constexpr, X_BY_POINTER: gl.constexpr, x_args):
+              P_IN_REGISTERS: gl.constexpr):
     """Consumer warpgroup ``WG`` (4 warps): rows ``[64 WG, 64 WG + 64)`` of the tile, its K
     loop, then its part of the epilogue."""
     x_desc, e_desc = descs
@@ -309,7 +267,7 @@ def _consumer(WG: gl.constexpr, descs, smem, tile, row_args, out_args,
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BN, 16])
     # The layout the logits tile is read in: the A operand's, or rows of 8 threads x 16 bytes.
-    if P_IN_REGISTERS or X_BY_POINTER:
+    if P_IN_REGISTERS:
         x_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
     else:
         x_layout: gl.constexpr = gl.BlockedLayout([1, VEC], [4, 8], [4, 1], [1, 0])
@@ -323,10 +281,7 @@ def _consumer(WG: gl.constexpr, descs, smem, tile, row_args, out_args,
     # accumulator into the path that skips the loop, and ptxas, seeing non-wgmma definitions
     # of accumulator registers, serializes every wgmma (advisory C7515).
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-    if X_BY_POINTER:
-        acc = _k_loop_pointer_x(WG, WM, e_desc.dtype, smem, n_k, acc, inv_t, neg_lse2, threshold,
-                                rows, live, x_args, x_layout, HAS_THRESHOLD)
-    elif P_IN_REGISTERS:
+    if P_IN_REGISTERS:
         acc = _k_loop_register_p(WG, WM, e_desc.dtype, smem, n_k, acc, inv_t, neg_lse2, threshold,
                                  x_layout, HAS_THRESHOLD)
     else:
@@ -340,7 +295,6 @@ def _consumer(WG: gl.constexpr, descs, smem, tile, row_args, out_args,
 @gluon.jit
 def soft_embedding_wgmma_kernel(
     x_desc, e_desc,                               # TMA: local logits [N, V_local], E [V_local, H]
-    x_ptr, stride_x,                              # the local logits by pointer (X_BY_POINTER)
     row_request_ptr, inv_t_ptr, lse_ptr, threshold_ptr, keep_ptr,
     norm_ptr, out_ptr, out_index_ptr, scratch_ptr,
     n_rows, v_local, hidden, stride_out, norm_value,
@@ -348,7 +302,7 @@ def soft_embedding_wgmma_kernel(
     HAS_THRESHOLD: gl.constexpr, HAS_KEEP: gl.constexpr, HAS_OUT_INDEX: gl.constexpr,
     NORM_IS_TENSOR: gl.constexpr, STAGES: gl.constexpr, SCRATCH_N: gl.constexpr,
     VEC: gl.constexpr, P_SWIZZLE: gl.constexpr, P_IN_REGISTERS: gl.constexpr,
-    X_BY_POINTER: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
 ):
     BM: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
@@ -368,9 +322,7 @@ def soft_embedding_wgmma_kernel(
         live = live & (gl.load(keep_ptr + rows, mask=live, other=0) != 0)
     n_k = gl.where(gl.max(live.to(gl.int32), 0) > 0, kb_end - kb_begin, 0)
 
-    # (X_BY_POINTER: one unused logits buffer, dropped by the compiler like the p buffers)
-    x_bufs = gl.allocate_shared_memory(x_desc.dtype, [1 if X_BY_POINTER else STAGES, BM, BK],
-                                       x_desc.layout)
+    x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK], x_desc.layout)
     e_bufs = gl.allocate_shared_memory(e_desc.dtype, [STAGES, BK, BN], e_desc.layout)
     p_layout: gl.constexpr = gl.NVMMASharedLayout(P_SWIZZLE, 16)
     # two p buffers per consumer warpgroup (unused, and dropped by the compiler, with P_IN_REGISTERS)
@@ -387,17 +339,14 @@ def soft_embedding_wgmma_kernel(
     tile = (row0, col0, kb_begin, n_k, piece, pieces, tail_idx, tail_tiles)
     row_args = (n_rows, row_request_ptr, inv_t_ptr, lse_ptr, threshold_ptr, keep_ptr)
     out_args = (hidden, stride_out, norm_ptr, norm_value, out_ptr, out_index_ptr, scratch_ptr)
-    x_args = (x_ptr, stride_x, v_local, kb_begin)
     # (constexprs go to the partitions as arguments of their own: inside a tuple they would
     # arrive as tensors)
     gl.warp_specialize([
         (_consumer, (0, descs, smem, tile, row_args, out_args, HAS_THRESHOLD, HAS_KEEP,  # own warps
-                     HAS_OUT_INDEX, NORM_IS_TENSOR, SCRATCH_N, VEC, P_IN_REGISTERS, X_BY_POINTER,
-                     x_args)),
+                     HAS_OUT_INDEX, NORM_IS_TENSOR, SCRATCH_N, VEC, P_IN_REGISTERS)),
         (_consumer, (1, descs, smem, tile, row_args, out_args, HAS_THRESHOLD, HAS_KEEP,
-                     HAS_OUT_INDEX, NORM_IS_TENSOR, SCRATCH_N, VEC, P_IN_REGISTERS, X_BY_POINTER,
-                     x_args)),
-        (_loader, (descs, smem, tile, X_BY_POINTER)),
+                     HAS_OUT_INDEX, NORM_IS_TENSOR, SCRATCH_N, VEC, P_IN_REGISTERS)),
+        (_loader, (descs, smem, tile)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
@@ -434,25 +383,10 @@ def p_in_registers(logits_dtype: torch.dtype) -> bool:
     return logits_dtype != torch.float32
 
 
-def logits_by_pointer(logits_dtype: torch.dtype, v_local: int) -> bool:
-    """Whether the consumer warps load the logits from global memory into the A-operand
-    registers themselves (``_k_loop_pointer_x``) instead of taking TMA tiles from shared
-    memory; only for whole K blocks (its loads are unmasked). ``DGEMMA_WGMMA_LOGITS_BY_POINTER``
-    (0 / 1) overrides the choice where it applies."""
-    if v_local % BLOCK_K:
-        return False
-    forced = os.environ.get("DGEMMA_WGMMA_LOGITS_BY_POINTER")
-    if forced in ("0", "1"):
-        return forced == "1"
-    return False
-
-
-def stages_for(logits_dtype: torch.dtype, embed_dtype: torch.dtype, smem_bytes: int = 227 * 1024,
-               by_pointer: bool = False) -> int:
+def stages_for(logits_dtype: torch.dtype, embed_dtype: torch.dtype, smem_bytes: int = 227 * 1024) -> int:
     """Pipeline stages that fit in shared memory beside the p buffers (3 for fp32 logits,
-    4 for 16-bit, 4 for E alone when the logits come by pointer)."""
-    x_bytes = 0 if by_pointer else BLOCK_M * BLOCK_K * logits_dtype.itemsize
-    per_stage = x_bytes + BLOCK_K * BLOCK_N * embed_dtype.itemsize
+    4 for 16-bit)."""
+    per_stage = BLOCK_M * BLOCK_K * logits_dtype.itemsize + BLOCK_K * BLOCK_N * embed_dtype.itemsize
     p_bytes = 2 * BLOCK_M * BLOCK_K * embed_dtype.itemsize
     return max(2, min(4, (smem_bytes - p_bytes - 1024) // per_stage))
 
@@ -471,9 +405,8 @@ def launch(logits, row_request, inv_t, lse, embed_weight, norm_tensor, norm_valu
     x_desc = TensorDescriptor(local, [n_rows, v_local], [logits.stride(0), 1], [BLOCK_M, BLOCK_K], x_layout)
     e_desc = TensorDescriptor(embed_weight, [v_local, hidden], [embed_weight.stride(0), 1],
                               [BLOCK_K, BLOCK_N], e_layout)
-    by_pointer = logits_by_pointer(logits.dtype, v_local)
     return soft_embedding_wgmma_kernel[(plan.programs,)](
-        x_desc, e_desc, local, logits.stride(0), row_request, inv_t, lse,
+        x_desc, e_desc, row_request, inv_t, lse,
         placeholder if threshold is None else threshold,
         placeholder if keep is None else keep,
         placeholder if norm_tensor is None else norm_tensor,
@@ -482,9 +415,8 @@ def launch(logits, row_request, inv_t, lse, embed_weight, norm_tensor, norm_valu
         plan.n_tiles_n, plan.dp_head, plan.tail_tiles, plan.split,
         HAS_THRESHOLD=threshold is not None, HAS_KEEP=keep is not None,
         HAS_OUT_INDEX=out_index is not None, NORM_IS_TENSOR=norm_tensor is not None,
-        STAGES=stages_for(logits.dtype, embed_weight.dtype, by_pointer=by_pointer),
-        SCRATCH_N=BLOCK_N, VEC=16 // logits.element_size(),
-        P_SWIZZLE=_p_swizzle(logits.element_size()), P_IN_REGISTERS=p_in_registers(logits.dtype),
-        X_BY_POINTER=by_pointer, CONSUMER_REGS=CONSUMER_REGS,
+        STAGES=stages_for(logits.dtype, embed_weight.dtype), SCRATCH_N=BLOCK_N,
+        VEC=16 // logits.element_size(), P_SWIZZLE=_p_swizzle(logits.element_size()),
+        P_IN_REGISTERS=p_in_registers(logits.dtype), CONSUMER_REGS=CONSUMER_REGS,
         LOADER_REGS=LOADER_REGS, num_warps=4,
     )

@@ -671,44 +671,6 @@ def test_gpu_wgmma_kernel_matches_the_triton_kernel(requests, logits_dtype):
     assert torch.equal(torch.nan_to_num(again, 7.0), torch.nan_to_num(got, 7.0)), "not deterministic"
 
 
-@gpu
-@gpu_only
-@pytest.mark.parametrize("requests,logits_dtype", [(1, torch.float32), (3, torch.bfloat16), (32, torch.float32)])
-def test_gpu_wgmma_logits_by_pointer_matches_the_triton_kernel(requests, logits_dtype, monkeypatch):
-    """The Gluon kernel with the logits loaded by pointer into the A-operand registers
-    (``logits_by_pointer``) against the Triton kernel: whole K blocks of a vocabulary slice,
-    dropped rows (they read row 0 unmasked), a threshold on some rows, scattered out rows;
-    bit-identical to the same kernel on TMA tiles."""
-    wg = pytest.importorskip("dgemma_sampler.kernels.soft_embedding_wgmma")
-    case = production_case(requests, logits_dtype=logits_dtype, seed=60 + requests)
-    v0, v_local = 1024, 200_000  # whole 64-column K blocks
-    monkeypatch.setenv("DGEMMA_WGMMA_LOGITS_BY_POINTER", "1")
-    assert wg.logits_by_pointer(logits_dtype, v_local)
-    case = replace(case, embed=case.embed[v0:v0 + v_local].contiguous(), vocab_start=v0)
-    n = case.logits.shape[0]
-    g = torch.Generator(device="cuda").manual_seed(requests)
-    keep = torch.rand(n, generator=g, device="cuda") > 0.2
-    keep[:CANVAS // 2] = True
-    threshold = torch.full((n,), float("-inf"), device="cuda")
-    threshold[::3] = case.logits[::3].float().topk(50, dim=1).values[:, -1]
-    case = replace(case, threshold=threshold, lse=float64_lse(case.logits, case.row_request,
-                                                              case.temperature, threshold=threshold))
-    index = torch.randperm(2 * n, device="cuda")[:n]
-    for kept in (None, keep):
-        outs = []
-        for use_wgmma, by_pointer in ((True, "1"), (True, "0"), (False, "0")):
-            monkeypatch.setenv("DGEMMA_WGMMA_LOGITS_BY_POINTER", by_pointer)
-            out = torch.full((2 * n, HIDDEN), POISON, device="cuda")
-            se.soft_embedding_rows(*case.args(), keep=kept, out=out, out_index=index,
-                                   wgmma=use_wgmma, **case.kwargs())
-            outs.append(out[index])
-        got, tma_tiles, triton_kernel = outs
-        assert not torch.isnan(got).any()
-        assert torch.equal(got, tma_tiles), "the load path changed a bit"
-        assert rel_err(got, triton_kernel.double()) <= 1e-4
-        check_gpu(case, got, keep=kept)
-
-
 def test_diagnostic_variants_still_match_the_gluon_kernel():
     """Each variant of ``bench/diag_soft_embedding.py`` rewrites the Gluon kernel's source by
     text substitution; ``load_variant`` asserts that every substituted text is still there (a
