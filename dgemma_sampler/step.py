@@ -30,11 +30,15 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from .keyed_noise import Stream, random_tokens
 from .reference import RowStats
+
+if TYPE_CHECKING:  # (update_graph imports this module)
+    from .update_graph import UpdateGraph
 
 NOISE_STREAMS = (Stream.RENOISE, Stream.CANVAS)
 
@@ -318,7 +322,7 @@ def decode_step(
     sc_reduce: Callable[[torch.Tensor], None] | None = None,
     layout: StepLayout | None = None,
     noise_backend: str = "auto",
-    update_runner: Callable | None = None,
+    update_runner: UpdateGraph | None = None,
 ) -> StepOutput:
     """Run one decode step for the requests in ``slots`` (device tensors, no host sync).
 

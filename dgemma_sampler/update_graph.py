@@ -91,14 +91,17 @@ class UpdateGraph:
         self._flat: RowStats | None = None  # the replayed step's own statistics (``detach``)
 
     def _eager(self, calls: int) -> bool:
+        """Whether a part runs its operators directly: during its first ``capture_after``
+        calls, and while the caller captures a graph of its own (the operators then go into
+        that graph; replaying or capturing ours inside it is not what the caller recorded)."""
         return calls <= self.capture_after or torch.cuda.is_current_stream_capturing()
 
     def prologue(self, fn: Callable[[], tuple], device: torch.device) -> tuple:
         """``fn()`` (no inputs; reads the state), its outputs valid for this step only."""
         self.prologue_calls += 1
+        if self._eager(self.prologue_calls):
+            return fn()
         if self.prologue_graph is None:
-            if self._eager(self.prologue_calls):
-                return fn()
             self.prologue_graph, self._prologue_out = _capture(fn, device)
         self.prologue_graph.replay()
         return self._prologue_out
@@ -108,9 +111,9 @@ class UpdateGraph:
         """``update(flat)``; a replayed step's output is the graph's until ``detach``."""
         self.update_calls += 1
         self._flat = None
+        if self._eager(self.update_calls):
+            return update(flat)
         if self.graph is None:
-            if self._eager(self.update_calls):
-                return update(flat)
             self._capture_update(update, flat)
         _copy_all(list(self._inputs.as_tuple()), list(flat.as_tuple()))
         self.graph.replay()
@@ -143,11 +146,8 @@ class UpdateGraph:
         self.graph, self._outputs = _capture(lambda: update(self._inputs, True), flat.argmax.device)
         # Which escaping outputs are whole, contiguous views of an input buffer.
         inputs = self._inputs.as_tuple()
-        self._aliases = []
-        for t in _escaping(self._outputs[0]):
-            source = None
-            for i, x in enumerate(inputs):
-                if (t.data_ptr() == x.data_ptr() and t.numel() == x.numel() and t.dtype == x.dtype
-                        and t.is_contiguous()):
-                    source = i
-            self._aliases.append(source)
+        self._aliases = [
+            next((i for i, x in enumerate(inputs)
+                  if t.data_ptr() == x.data_ptr() and t.numel() == x.numel()
+                  and t.dtype == x.dtype and t.is_contiguous()), None)
+            for t in _escaping(self._outputs[0])]

@@ -61,3 +61,35 @@ def test_graph_update_matches_the_eager_update_gpu(valid):
                 for p in graphed._plans.values()]
     assert captured and all(captured)
     assert all(p.update_graph is None for p in eager._plans.values())
+
+
+@pytest.mark.gpu
+def test_step_captured_by_the_caller_after_the_update_graph_gpu():
+    """A caller that captures ``step`` in a graph of its own after the plan's parts were
+    captured gets the parts' operators in that graph (not a replay of ours inside it)."""
+    device, vocab, hidden = "cuda", 4099, 96
+    gen = torch.Generator(device=device).manual_seed(4)
+    embed = torch.randn(vocab, hidden, device=device, generator=gen).to(torch.bfloat16)
+    graphed, eager = make(device, True, vocab, hidden, embed), make(device, False, vocab, hidden, embed)
+    slots, valid = [1, 2, 3, 4], (64, 40, 64, 17)
+    logits = torch.empty(sum(valid), vocab, device=device)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):  # eager, capture, replay
+            logits.normal_(generator=gen)
+            graphed.step(logits, slots, valid_len=valid)
+            eager.step(logits, slots, valid_len=valid)
+    torch.cuda.current_stream().wait_stream(stream)
+    assert all(p.update_graph.graph is not None for p in graphed._plans.values())
+    user = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(user):
+        captured = graphed.step(logits, slots, valid_len=valid)
+    for _ in range(4):
+        logits.normal_(generator=gen).mul_(2)
+        user.replay()
+        ref = eager.step(logits, slots, valid_len=valid)
+        torch.cuda.synchronize()
+        assert torch.equal(captured.sampled, ref.sampled)
+        for name in FIELDS:
+            assert torch.equal(getattr(graphed.state, name), getattr(eager.state, name)), name
