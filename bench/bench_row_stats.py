@@ -2,6 +2,7 @@
 
     python bench/bench_row_stats.py [--out bench/results/bench_row_stats.json] [--quick]
     python bench/bench_row_stats.py --alternate 3     # only the top-k/top-p ratio, 3 rounds
+    python bench/bench_row_stats.py --few-rows        # walk and TMA depth at 1..32 requests
 
 Times ``kernels.row_stats.row_stats_rows`` (sampling on) at 1/4/16/32 requests x 256 canvas
 positions x 262144 vocabulary, fp32 and bf16 logits, with and without top-k/top-p, with
@@ -68,6 +69,11 @@ SEARCH_SWEEP = [dict(), dict(num_warps=4, programs_per_sm=5), dict(stats_blocks=
                 dict(stats_blocks=8), dict(num_warps=4, programs_per_sm=5, stats_blocks=8),
                 dict(cap=256), dict(programs_per_sm=8)]
 SEARCH_SWEEP_1REQ = SEARCH_SWEEP[:2]
+# --few-rows: launch configs of the stats pass from 1 request (256 rows, 2 one-warp programs
+# per SM) to 32: the register walk against the descriptor walk at several depths (groups in
+# flight in shared memory; fp32 at 4 stages takes 16 KB a program, 14 programs an SM)
+FEW_ROWS_REQUESTS = (1, 2, 4, 8, 16, 32)
+FEW_ROWS_SWEEP = [dict(tma=False)] + [dict(tma=True, tma_stages=s) for s in (2, 3, 4, 6)]
 
 
 def make_logits(n_req: int, dtype: torch.dtype, kind: str, seed: int) -> torch.Tensor:
@@ -223,6 +229,78 @@ def alternate_rounds(rounds: int) -> None:
         torch.cuda.empty_cache()
 
 
+HOST_VOCAB = 8192
+
+
+def host_us(fns: dict, rounds: int = 15, calls: int = 40) -> dict[str, float]:
+    """Median over ``rounds`` of the mean wall time of ``calls`` calls of each ``fns[name]()``
+    (microseconds), the functions taking turns every round so that drift of the host during
+    the run (it is large on the device machine) affects them alike."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():
+        for _ in range(10):
+            fn()
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+            times[name].append((time.perf_counter() - t0) / calls * 1e6)
+    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+
+
+def few_rows_sweep(out_path: str, kernel: bool = True) -> None:
+    """Kernel time of the stats pass (sampling, ``lm`` logits) for each ``FEW_ROWS_SWEEP``
+    config at ``FEW_ROWS_REQUESTS``, next to the default config of the same run. Kernel time
+    (torch.profiler), not ``do_bench``: at 1 request the Python launch takes about as long as
+    the kernel (``kernel=False`` skips this part). Then the host time of one call, register
+    walk against the default."""
+    results = []
+    for dtype in (torch.float32, torch.bfloat16):
+        dname = str(dtype).replace("torch.", "")
+        for n_req in FEW_ROWS_REQUESTS if kernel else ():
+            bufs = [make_logits(n_req, dtype, "lm", seed) for seed in (1, 2)]
+            nbytes = bufs[0].numel() * bufs[0].element_size()
+            temperature, seeds, draws, row_request, row_position = request_params(n_req)
+            for cfg in [None] + FEW_ROWS_SWEEP:
+                def run(x, cfg=cfg):
+                    return rs.row_stats_rows(x, row_request, row_position, temperature, seeds,
+                                             draws, config=cfg)
+
+                ms = kernel_ms(run, bufs, reps=20).get("_row_stats_kernel", float("nan"))
+                rec = dict(dtype=dname, requests=n_req, config=cfg or "default", kernel_ms=ms,
+                           tbps=nbytes / (ms * 1e-3) / 1e12)
+                results.append(rec)
+                print(f"{dname:9s} req={n_req:2d} {str(cfg or 'default'):50s} {ms:7.3f} ms "
+                      f"{rec['tbps']:5.2f} TB/s", flush=True)
+            del bufs
+            torch.cuda.empty_cache()
+        # Host time of one call (Python, the descriptor, the launch): 1 request of a short
+        # vocabulary, so that the GPU never holds the loop back.
+        x = make_logits(1, dtype, "lm", 3)[:, :HOST_VOCAB].contiguous()
+        temperature, seeds, draws, row_request, row_position = request_params(1)
+        configs = {"register walk": dict(tma=False), "default": None}
+        us = host_us({name: (lambda cfg=cfg: rs.row_stats_rows(
+            x, row_request, row_position, temperature, seeds, draws, config=cfg))
+            for name, cfg in configs.items()})
+        for name, cfg in configs.items():
+            gpu_ms = kernel_ms(lambda b, cfg=cfg: rs.row_stats_rows(
+                b, row_request, row_position, temperature, seeds, draws, config=cfg),
+                [x], reps=20).get("_row_stats_kernel", float("nan"))
+            results.append(dict(dtype=dname, requests=1, vocab=HOST_VOCAB,
+                                config=cfg or "default", host_us=us[name], kernel_us=gpu_ms * 1e3))
+            print(f"{dname:9s} host time per call, vocab {HOST_VOCAB}, {name:14s} "
+                  f"{us[name]:6.1f} us (kernel {gpu_ms * 1e3:5.1f} us)", flush=True)
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                triton=triton.__version__, date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                command=" ".join(sys.argv))
+    with open(out_path, "w") as f:
+        json.dump(dict(meta=meta, results=results), f, indent=1)
+    print(f"wrote {out_path}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
@@ -238,8 +316,17 @@ def main() -> None:
     ap.add_argument("--alternate", type=int, default=0, metavar="ROUNDS",
                     help="only the top-k/top-p ratio: ROUNDS rounds of plain, default search and "
                          "a 256-entry candidate buffer, one after another (32 requests, lm)")
+    ap.add_argument("--few-rows", action="store_true",
+                    help="only the launch-config sweep of the stats pass at 1-32 requests "
+                         "(FEW_ROWS_SWEEP), kernel time from the profiler, and the host time "
+                         "of one call")
+    ap.add_argument("--host-only", action="store_true",
+                    help="with --few-rows: only the host time of one call")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA device"
+    if args.few_rows:
+        few_rows_sweep(args.out, kernel=not args.host_only)
+        return
     if args.alternate:
         alternate_rounds(args.alternate)
         return

@@ -8,6 +8,7 @@ tensors and the PyTorch oracle elsewhere.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -30,6 +31,18 @@ def resolve_backend(backend: str, device: torch.device) -> str:
             f"through the interpreter on the CPU; got tensors on {device}"
         )
     return backend
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def cuda_capability(device: torch.device) -> tuple[int, int]:
+    """``torch.cuda.get_device_capability`` of a CUDA device, cached: the launch wrappers ask
+    on every call, and the uncached query takes ~8 us of host time (H200 host)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capability(index)
 
 
 def same_device(a: torch.device, b: torch.device) -> bool:

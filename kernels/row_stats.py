@@ -43,7 +43,7 @@ one-warp programs fit on an SM, 4 per scheduler). Three things keep each warp bu
 * Prefetch: the walk is unrolled per group, each group's buffers reloaded right after it
   is consumed; whole blocks load unmasked from addresses known to be aligned, as 16-byte
   vectors (``_walk_load``).
-* Descriptor walk (``TMA_WALK``, 16-bit logits on Hopper): register prefetch keeps only
+* Descriptor walk (``TMA_WALK``, on Hopper): register prefetch keeps only
   one group (2 KB of bf16) in flight per warp, too little to cover the memory latency at
   16 warps per SM (Nsight Compute: long-scoreboard stalls on the group's loads, DRAM at
   63%). With a tensor descriptor over the logits, whole groups load by TMA into shared
@@ -53,6 +53,9 @@ one-warp programs fit on an SM, 4 per scheduler). Three things keep each warp bu
   ``bench/results/proto_row_stream-h200.log``; the pass with sampling went from 1.46 to
   1.24 ms at 32 requests, 0.81x the copy bandwidth, ``row_stats-h200-v15.log``). The ragged
   last group is left to the register walk, whose masked loads give -inf (TMA pads zeros).
+  fp32 logits gain where few rows leave few warps per SM (1 request: two one-warp programs
+  per SM, 0.268 -> 0.173 ms) and lose nothing at 32 requests, where register prefetch
+  already reads at the copy bandwidth (``row_stats-h200-v25-few-rows.log``).
 
 On an H200 at 32 requests (``bench/results/row_stats-h200-v11.log`` ... ``-v13.log``) groups
 took fp32 from 2.46 to 1.97 ms (4.35 TB/s, the copy bandwidth) and bf16 from 2.05 to
@@ -86,6 +89,7 @@ import triton
 import triton.language as tl
 
 from dgemma_sampler import reference
+from dgemma_sampler.ops import cuda_capability
 from dgemma_sampler.reference import RowStats
 
 from . import keyed_noise as kn
@@ -679,7 +683,8 @@ def _empty_stats(n_rows: int, device: torch.device) -> RowStats:
 
 
 def default_config(logits: torch.Tensor) -> dict:
-    """Launch configuration of the stats pass (``bench/bench_row_stats.py --sweep`` measures it).
+    """Launch configuration of the stats pass (``bench/bench_row_stats.py --sweep`` and
+    ``--few-rows`` measure it).
 
     A ``"threshold"`` entry (a dict of ``topk_topp.threshold_rows`` keywords) tunes the top-k /
     top-p search; the CPU tests use it to shrink the candidate buffer.
@@ -694,13 +699,23 @@ def default_config(logits: torch.Tensor) -> dict:
     # request's bits may not depend on how the dispatcher tiled the batch
     # (bench/results/gpu-tests-h200-v3.log caught exactly that). Group, prefetch depth and
     # key buffer change no bit (tests/test_row_stats_kernel.py::test_walk_shape_changes_no_bit).
-    # 16-bit logits take the descriptor walk where it applies (``_tma_walk``): one group in
-    # registers is too little in flight for them (TMA_WALK in the module docstring). bf16 with
-    # sampling: 1.456 -> 1.22 ms (2.95 -> 3.5 TB/s, 0.81x copy), tma_stages 3, 4 and 6 alike;
-    # fp32 gains nothing from it (2.015 vs 2.03 ms) and keeps the register walk
-    # (row_stats-h200-v15.log, same run).
+    # Logits of every dtype take the descriptor walk where it applies (``_tma_walk``): one
+    # group in registers is too little in flight (TMA_WALK in the module docstring). bf16
+    # with sampling at 32 requests: 1.456 -> 1.22 ms (row_stats-h200-v15.log). fp32 gains at
+    # few rows, at 3 stages: 0.268 -> 0.173 ms at 1 request, 0.276 -> 0.180 at 2, 0.325 ->
+    # 0.259 at 4, and is within 1.5% of the register walk from 8 requests on (0.506 vs 0.499
+    # ms; 32 requests 1.940 vs 1.951) (row_stats-h200-v25-few-rows.log, -1.log alike).
+    # 4 stages: 0.179 ms at 1 request; 2 stages lose at few rows, and so do two groups of
+    # register prefetch and 2-block groups (row_stats-h200-v24-few-rows.log); bf16 runs at
+    # 3, 4 and 6 stages alike. The walk is chosen by the tensor alone, never by the number
+    # of rows: with a row stride that is not a multiple of 16 elements the register walk
+    # loads one entry per lane (the compiler cannot prove a wider alignment), which changes
+    # the order of the per-lane sums and so the entropy bits (diag_walk_bits-h200.log); the
+    # stage count changes no bit. The descriptor costs ~65 us of host time per launch
+    # (row_stats-h200-v25-host.log).
     return dict(block=256, num_warps=1, group=4, prefetch=1, num_stages=1, maxnreg=None,
-                fast_exp2=True, key_buffer=64, tma=logits.element_size() == 2, tma_stages=4)
+                fast_exp2=True, key_buffer=64, tma=True,
+                tma_stages=3 if logits.element_size() == 4 else 4)
 
 
 def _tma_walk(logits: torch.Tensor, cfg: dict, block: int, aligned: bool) -> bool:
@@ -710,7 +725,7 @@ def _tma_walk(logits: torch.Tensor, cfg: dict, block: int, aligned: bool) -> boo
     a block of at most 256 entries and at least 16 bytes)."""
     if not cfg.get("tma") or logits.device.type != "cuda" or interpreting() or not aligned:
         return False
-    if torch.cuda.get_device_capability(logits.device)[0] < 9:
+    if cuda_capability(logits.device)[0] < 9:
         return False
     size = logits.element_size()
     return (logits.stride(1) == 1 and (logits.stride(0) * size) % 16 == 0

@@ -589,11 +589,12 @@ def test_gpu_rows_times_vocab_above_2_pow_31():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_gpu_descriptor_walk_changes_no_bit(dtype):
-    """Whole groups through the TMA descriptor (the 16-bit default on Hopper) against the
-    register-prefetch walk: every output bit-identical, with a ragged last group (a column
-    slice of a wider tensor), NaN / +inf / -inf rows, a new maximum in every block, greedy
-    rows, a sliced vocabulary (vocab_offset on a sampling-block boundary), sample keys and
-    top-k / top-p thresholds."""
+    """Whole groups through the TMA descriptor (the default on Hopper), 3 or 4 stages deep,
+    against the register-prefetch walk: every output bit-identical for a row stride that is a
+    multiple of 16 elements (with another, the register walk sums in another order:
+    bench/diag_walk_bits.py), with a ragged last group (a column slice of a wider tensor),
+    NaN / +inf / -inf rows, a new maximum in every block, greedy rows, a sliced vocabulary
+    (vocab_offset on a sampling-block boundary), sample keys and top-k / top-p thresholds."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("TMA needs Hopper or later")
     n_req, width, vocab = 3, 64, 262144 - 4096 - 296
@@ -609,14 +610,40 @@ def test_gpu_descriptor_walk_changes_no_bit(dtype):
     top_p = torch.tensor([0.9, 1.0, 0.5], device="cuda")
     for kw in (dict(), dict(vocab_offset=2 * 4096), dict(top_k=top_k, top_p=top_p)):
         outs = []
-        for tma in (False, True):
+        for cfg in (dict(tma=False), dict(tma=True, tma_stages=3), dict(tma=True, tma_stages=4)):
             key = torch.empty(logits.shape[0], device="cuda")
-            stats = rs.row_stats_rows(*args, config=dict(tma=tma), sample_key=key, **kw)
+            stats = rs.row_stats_rows(*args, config=cfg, sample_key=key, **kw)
             outs.append((stats, key))
-        (base, base_key), (other, other_key) = outs
+        base, base_key = outs[0]
+        for other, other_key in outs[1:]:
+            for name in ("argmax", "sample", "entropy", "lse", "has_nan", "threshold"):
+                assert torch.equal(getattr(other, name), getattr(base, name)), (name, kw)
+            assert torch.equal(other_key, base_key), kw
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_request_bits_independent_of_batch(dtype):
+    """One request's rows alone (256 rows: the chip mostly idle) and inside a batch of 6
+    requests give bit-identical statistics and sample keys under the default config. The
+    row stride (262144 - 296) is not a multiple of 16 elements: there the register walk sums
+    in another order than the descriptor walk (bench/diag_walk_bits.py), so a walk chosen by
+    the number of rows would show here."""
+    width, n_req = 256, 6
+    logits, row_request, row_position, temperature, seeds, draws = _gpu_rows(
+        n_req, width, 262144 - 296, dtype, 31)
+    key_all = torch.empty(logits.shape[0], device="cuda")
+    batch = rs.row_stats_rows(logits, row_request, row_position, temperature, seeds, draws,
+                              sample_key=key_all)
+    for r in (1, n_req - 1):
+        rows = slice(r * width, (r + 1) * width)
+        key = torch.empty(width, device="cuda")
+        alone = rs.row_stats_rows(logits[rows], torch.zeros(width, dtype=torch.int32, device="cuda"),
+                                  row_position[rows], temperature[r:r + 1], seeds[r:r + 1],
+                                  draws[r:r + 1], sample_key=key)
         for name in ("argmax", "sample", "entropy", "lse", "has_nan", "threshold"):
-            assert torch.equal(getattr(other, name), getattr(base, name)), (name, kw)
-        assert torch.equal(other_key, base_key), kw
+            assert torch.equal(getattr(alone, name), getattr(batch, name)[rows]), (name, r)
+        assert torch.equal(key, key_all[rows]), r
 
 
 @pytest.mark.gpu
