@@ -71,7 +71,7 @@ SEARCH_SWEEP = [dict(), dict(num_warps=4, programs_per_sm=5), dict(stats_blocks=
 SEARCH_SWEEP_1REQ = SEARCH_SWEEP[:2]
 # --few-rows: launch configs of the stats pass from 1 request (256 rows, 2 one-warp programs
 # per SM) to 32: the register walk against the descriptor walk at several depths (groups in
-# flight in shared memory; fp32 at 4 stages takes 16 KB a program, 14 programs an SM)
+# flight in shared memory)
 FEW_ROWS_REQUESTS = (1, 2, 4, 8, 16, 32)
 FEW_ROWS_SWEEP = [dict(tma=False)] + [dict(tma=True, tma_stages=s) for s in (2, 3, 4, 6)]
 
@@ -183,6 +183,24 @@ def copy_tbps() -> float:
     return 2 * n * 4 / (ms * 1e-3) / 1e12
 
 
+def compiled_kernels(fn) -> list:
+    """The compiled variants of the ``@triton.jit`` function ``fn`` in this process (best
+    effort: the cache layout differs between Triton versions)."""
+    found = []
+    for cache in (getattr(fn, "device_caches", None) or {}).values():
+        kernels = cache[0] if isinstance(cache, tuple) else cache
+        found.extend(getattr(kernels, "values", lambda: [])())
+    return found
+
+
+def run_meta(**extra) -> dict:
+    """The ``meta`` of a results file: device, versions, date and command line of this run."""
+    return dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                triton=triton.__version__, python=platform.python_version(),
+                date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                command=" ".join(sys.argv), **extra)
+
+
 def kernel_resources() -> list[dict]:
     """n_regs / n_spills of every compiled row-stats and threshold kernel (best effort)."""
     from dgemma_sampler.kernels import topk_topp
@@ -190,20 +208,17 @@ def kernel_resources() -> list[dict]:
     out = []
     for name, fn in (("row_stats", rs._row_stats_kernel), ("topk_topp scan", topk_topp._scan_kernel),
                      ("topk_topp search", topk_topp._search_kernel)):
-        caches = getattr(fn, "device_caches", None) or {}
-        for cache in caches.values():
-            kernels = cache[0] if isinstance(cache, tuple) else cache
-            for kern in getattr(kernels, "values", lambda: [])():
-                try:
-                    kern._init_handles()
-                    consts = getattr(getattr(kern, "src", None), "constants", {}) or {}
-                    out.append(dict(kernel=name, n_regs=getattr(kern, "n_regs", None),
-                                    n_spills=getattr(kern, "n_spills", None),
-                                    num_warps=getattr(kern.metadata, "num_warps", None),
-                                    shared=getattr(kern.metadata, "shared", None),
-                                    constants={str(k): str(v) for k, v in consts.items()}))
-                except Exception as exc:  # the cache layout differs between Triton versions
-                    out.append(dict(kernel=name, error=repr(exc)))
+        for kern in compiled_kernels(fn):
+            try:
+                kern._init_handles()
+                consts = getattr(getattr(kern, "src", None), "constants", {}) or {}
+                out.append(dict(kernel=name, n_regs=getattr(kern, "n_regs", None),
+                                n_spills=getattr(kern, "n_spills", None),
+                                num_warps=getattr(kern.metadata, "num_warps", None),
+                                shared=getattr(kern.metadata, "shared", None),
+                                constants={str(k): str(v) for k, v in consts.items()}))
+            except Exception as exc:  # the cache layout differs between Triton versions
+                out.append(dict(kernel=name, error=repr(exc)))
     return out
 
 
@@ -293,11 +308,8 @@ def few_rows_sweep(out_path: str, kernel: bool = True) -> None:
                                 config=cfg or "default", host_us=us[name], kernel_us=gpu_ms * 1e3))
             print(f"{dname:9s} host time per call, vocab {HOST_VOCAB}, {name:14s} "
                   f"{us[name]:6.1f} us (kernel {gpu_ms * 1e3:5.1f} us)", flush=True)
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                triton=triton.__version__, date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                command=" ".join(sys.argv))
     with open(out_path, "w") as f:
-        json.dump(dict(meta=meta, results=results), f, indent=1)
+        json.dump(dict(meta=run_meta(), results=results), f, indent=1)
     print(f"wrote {out_path}")
 
 
@@ -429,12 +441,9 @@ def main() -> None:
                 torch.cuda.empty_cache()
 
     resources = kernel_resources()
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                triton=triton.__version__, python=platform.python_version(),
-                date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                command=" ".join(sys.argv), copy_tbps=copy, default_config={
-                    d: rs.default_config(torch.empty(0, dtype=d)) for d in (torch.float32, torch.bfloat16)},
-                wall_s=time.time() - t_start)
+    meta = run_meta(copy_tbps=copy, default_config={
+        d: rs.default_config(torch.empty(0, dtype=d)) for d in (torch.float32, torch.bfloat16)},
+        wall_s=time.time() - t_start)
     meta["default_config"] = {str(k): v for k, v in meta["default_config"].items()}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

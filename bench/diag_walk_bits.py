@@ -21,12 +21,10 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
-from datetime import datetime, timezone
 
 import torch
-import triton
 
+from bench_row_stats import compiled_kernels, run_meta  # this script's folder
 from dgemma_sampler.kernels import row_stats as rs
 
 N_REQ, WIDTH = 4, 64
@@ -66,13 +64,11 @@ def differing_rows(a: dict, b: dict) -> dict:
 def layouts() -> list[str]:
     """The ``#blocked`` layouts of every compiled ``_row_stats_kernel`` variant."""
     found = []
-    for cache in (getattr(rs._row_stats_kernel, "device_caches", None) or {}).values():
-        kernels = cache[0] if isinstance(cache, tuple) else cache
-        for kern in getattr(kernels, "values", lambda: [])():
-            ttgir = kern.asm.get("ttgir", "") if hasattr(kern, "asm") else ""
-            tma = "descriptor_load" in ttgir or "async_tma" in ttgir
-            lines = sorted(set(re.findall(r"^#blocked\d* = .*$", ttgir, re.M)))
-            found.append(f"variant (descriptor loads: {tma}): " + " | ".join(lines))
+    for kern in compiled_kernels(rs._row_stats_kernel):
+        ttgir = kern.asm.get("ttgir", "") if hasattr(kern, "asm") else ""
+        tma = "descriptor_load" in ttgir or "async_tma" in ttgir
+        lines = sorted(set(re.findall(r"^#blocked\d* = .*$", ttgir, re.M)))
+        found.append(f"variant (descriptor loads: {tma}): " + " | ".join(lines))
     return found
 
 
@@ -106,11 +102,8 @@ def main() -> None:
     found = layouts()
     for line in found:
         print(line)
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                triton=triton.__version__, date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                command=" ".join(sys.argv))
     with open(args.out, "w") as f:
-        json.dump(dict(meta=meta, results=records, layouts=found), f, indent=1)
+        json.dump(dict(meta=run_meta(), results=records, layouts=found), f, indent=1)
     print(f"wrote {args.out}")
 
 
