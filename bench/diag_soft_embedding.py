@@ -30,7 +30,16 @@ SRC = os.path.join(os.path.dirname(se.__file__), "soft_embedding_wgmma.py")
 
 EXP = "p = _exp2_ftz(gl.minimum(d2, 0.0, propagate_nan=tl.PropagateNan.ALL))"
 NAN_TO_ZERO = "@gluon.jit\ndef _nan_to_zero(p):"
+P_IN_REGISTERS = "    return logits_dtype != torch.float32\n"
+LOAD_X = "_tma_load(x_desc, [row0, kb * BK], bar, x_bufs.index(stage))"
+LOAD_X_CONST = "_tma_load(x_desc, [row0, kb_begin * BK], bar, x_bufs.index(stage))"
+LOAD_E = "_tma_load(e_desc, [kb * BK, col0], bar, e_bufs.index(stage))"
+LOAD_E_CONST = "_tma_load(e_desc, [kb_begin * BK, col0], bar, e_bufs.index(stage))"
 MIXED_EXP = "p = _exp2_mixed(gl.minimum(d2, 0.0, propagate_nan=tl.PropagateNan.ALL))"
+EXP_BF16X2 = "p = _exp2_bf16x2(gl.minimum(d2, 0.0, propagate_nan=tl.PropagateNan.ALL).to(dtype)).to(gl.float32)"
+_EXP2_BF16X2 = ("@gluon.jit\ndef _exp2_bf16x2(d2):\n"
+                "    return gl.inline_asm_elementwise('ex2.approx.ftz.bf16x2 $0, $1;', '=r,r', [d2],"
+                " dtype=gl.bfloat16, is_pure=True, pack=2)\n\n\n")
 # 2^d for d <= 0 (or -inf / NaN -> 0) by polynomial: t = d + 1.5 * 2^23 rounds d to the
 # integer j (in t's low mantissa bits), f = d - j in [-0.5, 0.5], 2^f by Taylor to degree 5,
 # j added to the exponent field; d < -125 gives 0 (MUFU.EX2.FTZ gives 0 below -126).
@@ -66,14 +75,45 @@ def _mixed_exp2(pack: int) -> str:
 #   loads one K step ahead, E alone by TMA; no shared-memory traffic for the logits): 50% / 59%
 #   against 73% / 73% at 32 requests, 54% / 62% against 78% / 75% at 4 (-v16-pointer-r*.log,
 #   fp32 outputs bit-identical; the code is in commit 2e35480).
+# - two wgmma of a consumer warpgroup in flight with p in registers (step i + 1 issued before
+#   step i is done, its operand registers kept live until then): ptxas serializes every wgmma
+#   ("insufficient register resources", C7512, with 232 or 240 registers per consumer thread);
+#   not timed. And ex2.approx.ftz.bf16x2 compiles to two MUFU.EX2.BF16 per pair: no MUFU issue
+#   saved (SASS, Triton 3.6, bench/compile_sm90.py); not timed.
 
 # name -> list of (old, new) substitutions
 VARIANTS = {
     "base": [],
-    # p from shared memory with 16-bit logits too, and from registers with fp32 logits (the two
-    # K loops of the consumer warpgroups; the default picks one per logits dtype)
-    "p_shared": [("    return logits_dtype != torch.float32\n", "    return False\n")],
-    "p_registers": [("    return logits_dtype != torch.float32\n", "    return True\n")],
+    # p through shared memory (the other K loop of the consumer warpgroups) for every logits
+    # dtype, or through registers for every logits dtype (fp32 read in FP32_A_LAYOUT, or in the
+    # plain operand layout with its 2-way bank conflicts). From fp32 logits at 32 requests
+    # 23.4 ms in registers against 23.1 ms (soft_embedding-diag-h200-v17-operands.log); the
+    # bank conflicts cost nothing measurable (-v17-fp32-registers.log, names of that day)
+    "p_shared": [(P_IN_REGISTERS, "    return False\n")],
+    "p_registers": [(P_IN_REGISTERS, "    return True\n")],
+    "p_registers_no_row_perm": [(P_IN_REGISTERS, "    return True\n"),
+                                ("ROW_PERM=p_in_registers(logits.dtype) and logits.dtype == torch.float32,",
+                                 "ROW_PERM=False,")],
+    # every K step loads the tiles of the program's first K block (wrong results, timing
+    # only): the GEMM with its operands always in L2 (const_k), or one operand so (const_x:
+    # the logits tile, const_e: the E tile). Is the memory pipeline what holds it back?
+    # Partly: at 32 requests const_e 77% -> 81% (fp32 logits) and 76% -> 87% (bf16), const_x
+    # nothing, const_k 82% / 88%; noexp 89% / 97% (soft_embedding-diag-h200-v17-operands.log)
+    "const_k": [(LOAD_X, LOAD_X_CONST), (LOAD_E, LOAD_E_CONST)],
+    "const_x": [(LOAD_X, LOAD_X_CONST)],
+    "const_e": [(LOAD_E, LOAD_E_CONST)],
+    # the whole-tile waves in another order (_grouped): groups of g M-tiles with the M-tile
+    # fastest (the default g = GROUP_M; g = 1 is the N-tile-fastest order used before
+    # 2026-12-04, whose 11 consecutive programs share a logits tile). At 32 requests from
+    # bf16 logits groups of 2-12 take 72-74% to 78-79%; fp32 logits unchanged with 2-6, 64%
+    # with 12; at 16 requests within the noise (soft_embedding-diag-h200-v17-order.log,
+    # alternating A/B in -v18-order-ab.log)
+    "group1": [("\nGROUP_M = 6\n", "\nGROUP_M = 1\n")],
+    "group2": [("\nGROUP_M = 6\n", "\nGROUP_M = 2\n")],
+    "group4": [("\nGROUP_M = 6\n", "\nGROUP_M = 4\n")],
+    "group12": [("\nGROUP_M = 6\n", "\nGROUP_M = 12\n")],
+    "const_k_noexp": [(LOAD_X, LOAD_X_CONST), (LOAD_E, LOAD_E_CONST),
+                      (EXP, "p = gl.minimum(d2, 0.0, propagate_nan=tl.PropagateNan.ALL)")],
     # fewer pipeline stages (bf16 logits get 4 by default, fp32 3): with bf16 logits the L2
     # hit rate falls to 30% at 32 requests (Nsight Compute, 78% from fp32 logits), as if the
     # programs of a wave drifted apart in K; does a shorter lookahead keep them together?

@@ -28,9 +28,15 @@ How ``p`` reaches the tensor cores depends on the logits dtype (``p_in_registers
   of the TMA box, which the 128-byte swizzle only permutes: no bank conflict. Each thread
   stores its 8 bytes of ``p`` into the warpgroup's p buffer; a half warp writes two 64-byte
   row pieces, which land on disjoint banks under a 64-byte swizzle. One wgmma is in flight
-  while the next ``p`` is made (two p buffers per warpgroup). Read straight in the A-operand
-  layout instead, the fp32 tile costs 2-way bank conflicts (``LDS.64``, 4 rows x 32 bytes per
-  half warp on 2 of the 4 bank groups) and measured no faster.
+  while the next ``p`` is made (two p buffers per warpgroup). The other K loop (``p`` in
+  registers, not the default) reads the fp32 tile in ``FP32_A_LAYOUT``: the A-operand layout
+  read plainly costs 2-way bank conflicts (``LDS.64``, a half warp reads 4 rows x 32 bytes,
+  and rows 0 and 1 of the 128-byte swizzle share their bank pairs), so the lanes' rows are
+  permuted (a half warp reads rows 0, 2, 4, 6: four disjoint bank pairs) and renamed back
+  into the operand layout by a reshape and a permute that move no data; the accumulator rows
+  then belong to permuted logits rows (``_operand_row``), which the row constants and the
+  epilogue follow. Conflict-free and bit-identical, yet no faster: 24.6 / 23.4 ms against
+  23.8 / 23.1 ms through shared memory at 32 requests (``soft_embedding-diag-h200-v17-*``).
 * 16-bit logits: ``p`` is the wgmma's register operand. The tile is read in the A-operand
   layout by ``ldmatrix`` (conflict-free under the swizzle), ``p`` never returns to shared
   memory (no store, proxy fence or barrier before the wgmma), and the next ``p`` is made while
@@ -42,6 +48,10 @@ What limits it (``bench/results/ncu-h200-2026-12-03.md``): in SM cycles the kern
 (fp32 logits) and 77% (bf16) of cuBLAS at 32 requests, with or without the exponentials;
 they cost clock frequency under the power limit, not cycles. The gap is the GEMM's own: tiles
 that stream their operands from L2 alone, where cuBLAS multicasts one within 2-CTA clusters.
+Timed with one operand's loads pinned to the program's first K block (so always in L2,
+``soft_embedding-diag-h200-v17-operands.log``): pinning E gains 5% (fp32 logits) and 11%
+(bf16), pinning the logits nothing. Hence the order of whole tiles (``_grouped``): the
+programs that share an E tile run side by side.
 
 Scope (``supported``): Hopper, logits fp32/bf16/fp16 whose local slice TMA can address
 (16-byte aligned rows), E bf16/fp16, no ``allowed`` mask, no softcap. ``keep`` masks rows
@@ -79,6 +89,8 @@ NUM_WARPS = 8  # 2 consumer warpgroups (+ the TMA warp, in a warpgroup of its ow
 # Registers per thread of the consumer warpgroups and of the TMA warp's warpgroup (setmaxnreg;
 # 2 x 128 x 232 + 128 x 40 <= 64K).
 CONSUMER_REGS, LOADER_REGS = 232, 40
+# Whole tiles run in groups of GROUP_M M-tiles x all N-tiles, M-tile fastest (``_grouped``).
+GROUP_M = 6
 
 
 @gluon.jit
@@ -97,6 +109,48 @@ def _nan_to_zero(p):
     else:
         return gl.inline_asm_elementwise("max.f16x2 $0, $1, $2;", "=r,r,r", [p, gl.zeros_like(p)],
                                          dtype=gl.float16, is_pure=True, pack=2)
+
+
+# fp32 logits in the wgmma A-operand layout (module docstring, "fp32 logits"): the operand
+# layout (Triton's linear layout for [64, 64], k_width 2: registers over k bit 0, row bit 3,
+# k bits 3-5; lanes over k bits 1-2 then row bits 0-2; warps over row bits 4-5) with lanes'
+# row bits permuted, so that a half warp's four rows fall on four distinct swizzle phases.
+# ``_relabel_rows`` turns the loaded tile back into the operand layout itself (checked at
+# compile time by ``assert_trivial``).
+FP32_A_LAYOUT = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [8, 0], [0, 8], [0, 16], [0, 32]],
+    lane_bases=[[0, 2], [0, 4], [2, 0], [4, 0], [1, 0]],
+    warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 64]))
+
+
+@gluon.jit
+def _operand_row(m):
+    """Shared-memory row (within a warpgroup's 64) that operand row ``m`` is read from with
+    ``FP32_A_LAYOUT``: low bits (m1, m0, m2), i.e. lane rows 0-3 on rows 0, 2, 4, 6."""
+    return (m & ~7) | ((m & 3) << 1) | ((m >> 2) & 1)
+
+
+@gluon.jit
+def _relabel_rows(x):
+    """A tile loaded in ``FP32_A_LAYOUT`` (rows in shared-memory order) with its rows renamed
+    into operand order, element (m, k) = x[_operand_row(m), k]: a reshape and a permute of
+    the row bits, which move no data."""
+    R: gl.constexpr = x.shape[0]
+    C: gl.constexpr = x.shape[1]
+    y = gl.reshape(x, [R // 8, 2, 2, 2, C])  # shared-memory row bits (s2, s1, s0)
+    y = gl.permute(y, [0, 3, 1, 2, 4])       # operand row bits (m2, m1, m0) = (s0, s2, s1)
+    return gl.reshape(y, [R, C])
+
+
+@gluon.jit
+def _load_operand(buf, a_layout: gl.constexpr, ROW_PERM: gl.constexpr):
+    """A logits tile from shared memory as fp32 in the wgmma A-operand layout; with
+    ``ROW_PERM`` (fp32 logits) its rows in ``_operand_row`` order."""
+    if ROW_PERM:
+        x = gl.convert_layout(_relabel_rows(buf.load(FP32_A_LAYOUT)), a_layout, assert_trivial=True)
+    else:
+        x = buf.load(a_layout)
+    return x.to(gl.float32)
 
 
 @gluon.jit
@@ -119,6 +173,23 @@ def _probabilities(x, inv_t, neg_lse2, threshold, THRESHOLD: gl.constexpr, dtype
         d2 = gl.where(x >= gl.expand_dims(threshold, 1), d2, float("-inf"))
     p = _exp2_ftz(gl.minimum(d2, 0.0, propagate_nan=tl.PropagateNan.ALL))
     return _nan_to_zero(p.to(dtype))
+
+
+@gluon.jit
+def _grouped(m_tile, n_tile, dp_head, n_tiles_n, GROUP: gl.constexpr):
+    """The whole-tile programs in another order (the split-K tail keeps its own): in each group
+    of ``GROUP`` M-tiles x all N-tiles, the ``GROUP`` programs that share an E tile are
+    consecutive. Which programs run side by side changes what the L2 serves them: from bf16
+    logits at 32 requests 72-74% -> 78-79% of cuBLAS with groups of 2 to 12, fp32 unchanged
+    up to 6 and slower at 12 (``soft_embedding-diag-h200-v17-order.log``). A group that does
+    not fit whole before ``dp_head`` keeps the N-tile-fastest order."""
+    tile = m_tile * n_tiles_n + n_tile  # the program id for a whole tile; >= dp_head in the tail
+    group_tiles = GROUP * n_tiles_n
+    group = tile // group_tiles
+    within = tile % group_tiles
+    regroup = (tile < dp_head) & ((group + 1) * group_tiles <= dp_head)
+    return (gl.where(regroup, group * GROUP + within % GROUP, m_tile),
+            gl.where(regroup, within // GROUP, n_tile))
 
 
 @gluon.jit
@@ -146,14 +217,18 @@ def _row_constants(rows, n_rows, row_request_ptr, inv_t_ptr, lse_ptr, threshold_
 def _store_acc(acc, row0, tile_row, col0, piece, pieces, tail_idx, tail_tiles, n_rows, hidden,
                stride_out, norm_ptr, norm_value, out_ptr, out_index_ptr, scratch_ptr,
                BM: gl.constexpr, HAS_OUT_INDEX: gl.constexpr, NORM_IS_TENSOR: gl.constexpr,
-               SCRATCH_N: gl.constexpr):
+               SCRATCH_N: gl.constexpr, ROW_PERM: gl.constexpr):
     """Epilogue of the accumulator for rows ``[tile_row, tile_row + its rows)`` of the ``BM``-row
     tile at ``row0``: a whole tile scaled into ``out``; of a split tile, piece 0 raw into ``out``
-    and the others into their scratch slot (``soft_embedding.split_sum_kernel`` adds them)."""
+    and the others into their scratch slot (``soft_embedding.split_sum_kernel`` adds them).
+    With ``ROW_PERM`` accumulator row ``m`` belongs to row ``_operand_row(m)`` of the tile."""
     layout: gl.constexpr = acc.type.layout
     ROWS: gl.constexpr = acc.shape[0]
     BN: gl.constexpr = acc.shape[1]
-    tile_rows = tile_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    acc_rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    if ROW_PERM:
+        acc_rows = _operand_row(acc_rows)
+    tile_rows = tile_row + acc_rows
     tile_cols = gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
     if piece > 0:
         slot = ((piece - 1) * tail_tiles + tail_idx).to(gl.int64)
@@ -231,7 +306,7 @@ def _k_loop_shared_p(WG: gl.constexpr, WM: gl.constexpr, e_dtype: gl.constexpr, 
 @gluon.jit
 def _k_loop_register_p(WG: gl.constexpr, WM: gl.constexpr, e_dtype: gl.constexpr, smem, n_k, acc,
                        inv_t, neg_lse2, threshold, a_layout: gl.constexpr,
-                       HAS_THRESHOLD: gl.constexpr):
+                       HAS_THRESHOLD: gl.constexpr, ROW_PERM: gl.constexpr):
     """``acc += p @ E`` over the K steps, ``p`` the wgmma's register operand: the logits tile is
     read straight in the A-operand layout (``ldmatrix`` for 16-bit logits), the next ``p`` is
     made while the wgmma runs, and the wgmma is waited for before its operand registers are
@@ -239,7 +314,7 @@ def _k_loop_register_p(WG: gl.constexpr, WM: gl.constexpr, e_dtype: gl.constexpr
     x_bufs, e_bufs, p_bufs, ready, empty = smem
     STAGES: gl.constexpr = x_bufs.type.shape[0]
     mbarrier.wait(ready.index(0), 0, pred=n_k > 0)
-    x = x_bufs.index(0).slice(WG * WM, WM).load(a_layout).to(gl.float32)
+    x = _load_operand(x_bufs.index(0).slice(WG * WM, WM), a_layout, ROW_PERM)
     p = _probabilities(x, inv_t, neg_lse2, threshold, HAS_THRESHOLD, e_dtype)
     for i in range(n_k):
         stage = i % STAGES
@@ -247,7 +322,7 @@ def _k_loop_register_p(WG: gl.constexpr, WM: gl.constexpr, e_dtype: gl.constexpr
         # The next step's p while this wgmma runs (after the last step a stale tile, unused).
         nxt = i + 1
         mbarrier.wait(ready.index(nxt % STAGES), (nxt // STAGES) & 1, pred=nxt < n_k)
-        x = x_bufs.index(nxt % STAGES).slice(WG * WM, WM).load(a_layout).to(gl.float32)
+        x = _load_operand(x_bufs.index(nxt % STAGES).slice(WG * WM, WM), a_layout, ROW_PERM)
         p = _probabilities(x, inv_t, neg_lse2, threshold, HAS_THRESHOLD, e_dtype)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         _cta_barrier()  # every warp's wgmma of this step is done: release its stage
@@ -259,7 +334,7 @@ def _k_loop_register_p(WG: gl.constexpr, WM: gl.constexpr, e_dtype: gl.constexpr
 def _consumer(WG: gl.constexpr, descs, smem, tile, row_args, out_args,
               HAS_THRESHOLD: gl.constexpr, HAS_KEEP: gl.constexpr, HAS_OUT_INDEX: gl.constexpr,
               NORM_IS_TENSOR: gl.constexpr, SCRATCH_N: gl.constexpr, VEC: gl.constexpr,
-              P_IN_REGISTERS: gl.constexpr):
+              P_IN_REGISTERS: gl.constexpr, ROW_PERM: gl.constexpr):
     """Consumer warpgroup ``WG`` (4 warps): rows ``[64 WG, 64 WG + 64)`` of the tile, its K
     loop, then its part of the epilogue."""
     x_desc, e_desc = descs
@@ -276,7 +351,10 @@ def _consumer(WG: gl.constexpr, descs, smem, tile, row_args, out_args,
     else:
         x_layout: gl.constexpr = gl.BlockedLayout([1, VEC], [4, 8], [4, 1], [1, 0])
     n_rows, row_request_ptr, inv_t_ptr, lse_ptr, threshold_ptr, keep_ptr = row_args
-    rows = row0 + WG * WM + gl.arange(0, WM, layout=gl.SliceLayout(1, x_layout))
+    acc_rows = gl.arange(0, WM, layout=gl.SliceLayout(1, x_layout))
+    if ROW_PERM:
+        acc_rows = _operand_row(acc_rows)
+    rows = row0 + WG * WM + acc_rows
     live, inv_t, neg_lse2, threshold = _row_constants(
         rows, n_rows, row_request_ptr, inv_t_ptr, lse_ptr, threshold_ptr, keep_ptr, HAS_KEEP,
         HAS_THRESHOLD)
@@ -287,13 +365,13 @@ def _consumer(WG: gl.constexpr, descs, smem, tile, row_args, out_args,
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     if P_IN_REGISTERS:
         acc = _k_loop_register_p(WG, WM, e_desc.dtype, smem, n_k, acc, inv_t, neg_lse2, threshold,
-                                 x_layout, HAS_THRESHOLD)
+                                 x_layout, HAS_THRESHOLD, ROW_PERM)
     else:
         acc = _k_loop_shared_p(WG, WM, e_desc.dtype, smem, n_k, acc, inv_t, neg_lse2, threshold,
                                x_layout, HAS_THRESHOLD)
     _store_acc(acc, row0, WG * WM, col0, piece, pieces, tail_idx, tail_tiles, n_rows, hidden,
                stride_out, norm_ptr, norm_value, out_ptr, out_index_ptr, scratch_ptr, BM,
-               HAS_OUT_INDEX, NORM_IS_TENSOR, SCRATCH_N)
+               HAS_OUT_INDEX, NORM_IS_TENSOR, SCRATCH_N, ROW_PERM)
 
 
 @gluon.jit
@@ -306,7 +384,8 @@ def soft_embedding_wgmma_kernel(
     HAS_THRESHOLD: gl.constexpr, HAS_KEEP: gl.constexpr, HAS_OUT_INDEX: gl.constexpr,
     NORM_IS_TENSOR: gl.constexpr, STAGES: gl.constexpr, SCRATCH_N: gl.constexpr,
     VEC: gl.constexpr, P_SWIZZLE: gl.constexpr, P_IN_REGISTERS: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+    ROW_PERM: gl.constexpr, GROUP: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    LOADER_REGS: gl.constexpr,
 ):
     BM: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
@@ -317,6 +396,7 @@ def soft_embedding_wgmma_kernel(
     k_blocks = gl.cdiv(v_local, BK)
     kb_begin = piece * k_blocks // pieces
     kb_end = (piece + 1) * k_blocks // pieces
+    m_tile, n_tile = _grouped(m_tile, n_tile, dp_head, n_tiles_n, GROUP)
     row0 = m_tile * BM
     col0 = n_tile * BN
     # An all-dropped tile skips its K loop (every partition sees the same n_k).
@@ -347,9 +427,9 @@ def soft_embedding_wgmma_kernel(
     # arrive as tensors)
     gl.warp_specialize([
         (_consumer, (0, descs, smem, tile, row_args, out_args, HAS_THRESHOLD, HAS_KEEP,  # own warps
-                     HAS_OUT_INDEX, NORM_IS_TENSOR, SCRATCH_N, VEC, P_IN_REGISTERS)),
+                     HAS_OUT_INDEX, NORM_IS_TENSOR, SCRATCH_N, VEC, P_IN_REGISTERS, ROW_PERM)),
         (_consumer, (1, descs, smem, tile, row_args, out_args, HAS_THRESHOLD, HAS_KEEP,
-                     HAS_OUT_INDEX, NORM_IS_TENSOR, SCRATCH_N, VEC, P_IN_REGISTERS)),
+                     HAS_OUT_INDEX, NORM_IS_TENSOR, SCRATCH_N, VEC, P_IN_REGISTERS, ROW_PERM)),
         (_loader, (descs, smem, tile)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
     for s in gl.static_range(STAGES):
@@ -381,9 +461,9 @@ def supported(logits: torch.Tensor, embed_weight: torch.Tensor, vocab_start: int
 
 
 def p_in_registers(logits_dtype: torch.dtype) -> bool:
-    """Whether the wgmma takes ``p`` from registers (16-bit logits: read by ``ldmatrix`` in the
-    operand layout) or from shared memory (fp32 logits, whose operand-layout reads would be
-    2-way bank conflicts). Measured both ways on the H200 (bench/diag_soft_embedding.py)."""
+    """Whether the wgmma takes ``p`` from registers (the default: 16-bit logits read by
+    ``ldmatrix``, fp32 logits by conflict-free ``LDS.64`` in ``FP32_A_LAYOUT``) or from shared
+    memory (the other K loop, kept for ``bench/diag_soft_embedding.py``)."""
     return logits_dtype != torch.float32
 
 
@@ -428,6 +508,8 @@ def launch(logits, row_request, inv_t, lse, embed_weight, norm_tensor, norm_valu
         HAS_OUT_INDEX=out_index is not None, NORM_IS_TENSOR=norm_tensor is not None,
         STAGES=stages_for(logits.dtype, embed_weight.dtype), SCRATCH_N=BLOCK_N,
         VEC=16 // logits.element_size(), P_SWIZZLE=_p_swizzle(logits.element_size()),
-        P_IN_REGISTERS=p_in_registers(logits.dtype), CONSUMER_REGS=CONSUMER_REGS,
+        P_IN_REGISTERS=p_in_registers(logits.dtype),
+        ROW_PERM=p_in_registers(logits.dtype) and logits.dtype == torch.float32,
+        GROUP=GROUP_M, CONSUMER_REGS=CONSUMER_REGS,
         LOADER_REGS=LOADER_REGS, num_warps=4,
     )

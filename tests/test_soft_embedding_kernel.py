@@ -633,11 +633,13 @@ def test_out_index_scatters_rows_into_a_slot_buffer(split):
 
 @gpu
 @gpu_only
-@pytest.mark.parametrize("requests,logits_dtype", [(1, torch.float32), (3, torch.bfloat16), (32, torch.float32)])
+@pytest.mark.parametrize("requests,logits_dtype", [(1, torch.float32), (3, torch.bfloat16), (16, torch.bfloat16),
+                                                    (32, torch.float32)])
 def test_gpu_wgmma_kernel_matches_the_triton_kernel(requests, logits_dtype):
     """The Gluon kernel (soft_embedding_wgmma.py) against the Triton one on the same inputs:
     split-K (1 request), a ragged vocabulary slice, dropped rows, a top-k threshold on some rows,
-    out rows scattered into a slot buffer, a tensor normalizer; and against float64."""
+    out rows scattered into a slot buffer, a tensor normalizer; and against float64. At 16 and
+    32 requests whole tiles run in the grouped order (``_grouped``), the split tail in its own."""
     wg = pytest.importorskip("dgemma_sampler.kernels.soft_embedding_wgmma")
     case = production_case(requests, logits_dtype=logits_dtype, seed=40 + requests)
     v0 = 1000  # a slice that starts and ends off the 64-column K blocks
@@ -669,6 +671,26 @@ def test_gpu_wgmma_kernel_matches_the_triton_kernel(requests, logits_dtype):
     again = torch.full_like(got, POISON)
     se.soft_embedding_rows(*case.args(), keep=keep, out=again, out_index=index, wgmma=True, **case.kwargs())
     assert torch.equal(torch.nan_to_num(again, 7.0), torch.nan_to_num(got, 7.0)), "not deterministic"
+
+
+@gpu
+@gpu_only
+def test_gpu_fp32_p_in_registers_changes_no_bit(monkeypatch):
+    """The Gluon kernel's other K loop for fp32 logits (p as the wgmma's register operand, the
+    logits read in ``FP32_A_LAYOUT`` with its rows renamed; not the default, see
+    ``p_in_registers``) gives the default's bits: whole tiles, the split tail and a threshold."""
+    wg = pytest.importorskip("dgemma_sampler.kernels.soft_embedding_wgmma")
+    case = production_case(32, seed=7)
+    threshold = torch.full((case.logits.shape[0],), float("-inf"), device="cuda")
+    threshold[::5] = case.logits[::5].topk(20, dim=1).values[:, -1]
+    case = replace(case, threshold=threshold)
+    outs = []
+    for registers in (False, True):
+        monkeypatch.setattr(wg, "p_in_registers", lambda dtype, registers=registers: registers)
+        out = torch.full((case.logits.shape[0], HIDDEN), POISON, device="cuda")
+        se.soft_embedding_rows(*case.args(), out=out, wgmma=True, **case.kwargs())
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_diagnostic_variants_still_match_the_gluon_kernel():
