@@ -107,7 +107,9 @@ VARIANTS = {
     # 2026-12-04, whose 11 consecutive programs share a logits tile). At 32 requests from
     # bf16 logits groups of 2-12 take 72-74% to 78-79%; fp32 logits unchanged with 2-6, 64%
     # with 12; at 16 requests within the noise (soft_embedding-diag-h200-v17-order.log,
-    # alternating A/B in -v18-order-ab.log)
+    # alternating A/B in -v18-order-ab.log). The split-K tail's programs M-tile fastest as
+    # well (within each piece) were slower from bf16 logits: 1 request 0.65 -> 0.81 ms, 4
+    # requests 2.67 -> 2.76-2.87 ms; fp32 within the noise (-v19-tail-order.log; not kept)
     "group1": [("\nGROUP_M = 6\n", "\nGROUP_M = 1\n")],
     "group2": [("\nGROUP_M = 6\n", "\nGROUP_M = 2\n")],
     "group4": [("\nGROUP_M = 6\n", "\nGROUP_M = 4\n")],
