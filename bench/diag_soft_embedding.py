@@ -102,7 +102,7 @@ VARIANTS = {
     "const_k": [(LOAD_X, LOAD_X_CONST), (LOAD_E, LOAD_E_CONST)],
     "const_x": [(LOAD_X, LOAD_X_CONST)],
     "const_e": [(LOAD_E, LOAD_E_CONST)],
-    # the whole-tile waves in another order (_grouped): groups of g M-tiles with the M-tile
+    # the whole-tile waves in another order (soft_embedding._grouped_tile): groups of g M-tiles with the M-tile
     # fastest (the default g = GROUP_M; g = 1 is the N-tile-fastest order used before
     # 2026-12-04, whose 11 consecutive programs share a logits tile). At 32 requests from
     # bf16 logits groups of 2-12 take 72-74% to 78-79%; fp32 logits unchanged with 2-6, 64%

@@ -128,6 +128,22 @@ def _tile_of_program(pid, n_tiles_n, dp_head, tail_tiles, split):
 
 
 @triton.jit
+def _grouped_tile(m_tile, n_tile, dp_head, n_tiles_n, GROUP: tl.constexpr):
+    """A whole tile of ``_tile_of_program`` -> the tile its program takes instead: in each group
+    of ``GROUP`` M-tiles x all N-tiles (tiles below ``dp_head`` only), the M-tile fastest, so
+    that the ``GROUP`` programs sharing an E tile are consecutive. A group that does not fit
+    whole below ``dp_head``, and the tail, keep their tiles. (The Gluon kernel's order: which
+    programs run side by side changes what the L2 serves them; see soft_embedding_wgmma.)"""
+    tile = m_tile * n_tiles_n + n_tile  # the program id for a whole tile; >= dp_head in the tail
+    group_tiles = GROUP * n_tiles_n
+    group = tile // group_tiles
+    within = tile % group_tiles
+    regroup = (tile < dp_head) & ((group + 1) * group_tiles <= dp_head)
+    return (tl.where(regroup, group * GROUP + within % GROUP, m_tile),
+            tl.where(regroup, within // GROUP, n_tile))
+
+
+@triton.jit
 def _rows(first, n_rows, row_order_ptr, kept_count_ptr, HAS_KEEP: tl.constexpr, ROWS: tl.constexpr):
     """Rows at positions ``[first, first + ROWS)`` of the row order: ``row`` indices (int64),
     ``in_range`` (a row to write) and ``live`` (a kept row to compute). With ``keep`` the order

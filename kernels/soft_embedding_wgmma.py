@@ -50,7 +50,7 @@ they cost clock frequency under the power limit, not cycles. The gap is the GEMM
 that stream their operands from L2 alone, where cuBLAS multicasts one within 2-CTA clusters.
 Timed with one operand's loads pinned to the program's first K block (so always in L2,
 ``soft_embedding-diag-h200-v17-operands.log``): pinning E gains 5% (fp32 logits) and 11%
-(bf16), pinning the logits nothing. Hence the order of whole tiles (``_grouped``): the
+(bf16), pinning the logits nothing. Hence the order of whole tiles (``_grouped_tile``): the
 programs that share an E tile run side by side.
 
 Scope (``supported``): Hopper, logits fp32/bf16/fp16 whose local slice TMA can address
@@ -77,7 +77,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from dgemma_sampler.ops import cuda_capability
 
-from .soft_embedding import _tile_of_program
+from .soft_embedding import _grouped_tile, _tile_of_program
 
 # Names that changed between Triton 3.6 and 3.9 (module-level aliases are callable in gluon.jit).
 _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
@@ -89,7 +89,8 @@ NUM_WARPS = 8  # 2 consumer warpgroups (+ the TMA warp, in a warpgroup of its ow
 # Registers per thread of the consumer warpgroups and of the TMA warp's warpgroup (setmaxnreg;
 # 2 x 128 x 232 + 128 x 40 <= 64K).
 CONSUMER_REGS, LOADER_REGS = 232, 40
-# Whole tiles run in groups of GROUP_M M-tiles x all N-tiles, M-tile fastest (``_grouped``).
+# Whole tiles run in groups of GROUP_M M-tiles x all N-tiles, M-tile fastest
+# (``soft_embedding._grouped_tile``).
 GROUP_M = 6
 
 
@@ -173,23 +174,6 @@ def _probabilities(x, inv_t, neg_lse2, threshold, THRESHOLD: gl.constexpr, dtype
         d2 = gl.where(x >= gl.expand_dims(threshold, 1), d2, float("-inf"))
     p = _exp2_ftz(gl.minimum(d2, 0.0, propagate_nan=tl.PropagateNan.ALL))
     return _nan_to_zero(p.to(dtype))
-
-
-@gluon.jit
-def _grouped(m_tile, n_tile, dp_head, n_tiles_n, GROUP: gl.constexpr):
-    """The whole-tile programs in another order (the split-K tail keeps its own): in each group
-    of ``GROUP`` M-tiles x all N-tiles, the ``GROUP`` programs that share an E tile are
-    consecutive. Which programs run side by side changes what the L2 serves them: from bf16
-    logits at 32 requests 72-74% -> 78-79% of cuBLAS with groups of 2 to 12, fp32 unchanged
-    up to 6 and slower at 12 (``soft_embedding-diag-h200-v17-order.log``). A group that does
-    not fit whole before ``dp_head`` keeps the N-tile-fastest order."""
-    tile = m_tile * n_tiles_n + n_tile  # the program id for a whole tile; >= dp_head in the tail
-    group_tiles = GROUP * n_tiles_n
-    group = tile // group_tiles
-    within = tile % group_tiles
-    regroup = (tile < dp_head) & ((group + 1) * group_tiles <= dp_head)
-    return (gl.where(regroup, group * GROUP + within % GROUP, m_tile),
-            gl.where(regroup, within // GROUP, n_tile))
 
 
 @gluon.jit
@@ -396,7 +380,10 @@ def soft_embedding_wgmma_kernel(
     k_blocks = gl.cdiv(v_local, BK)
     kb_begin = piece * k_blocks // pieces
     kb_end = (piece + 1) * k_blocks // pieces
-    m_tile, n_tile = _grouped(m_tile, n_tile, dp_head, n_tiles_n, GROUP)
+    # Which programs run side by side changes what the L2 serves them: from bf16 logits at 32
+    # requests 72-75% -> 78-79% of cuBLAS with groups of 2 to 12, fp32 unchanged up to 6 and
+    # slower at 12 (soft_embedding-diag-h200-v17-order.log, -v18-order-ab.log).
+    m_tile, n_tile = _grouped_tile(m_tile, n_tile, dp_head, n_tiles_n, GROUP)
     row0 = m_tile * BM
     col0 = n_tile * BN
     # An all-dropped tile skips its K loop (every partition sees the same n_k).

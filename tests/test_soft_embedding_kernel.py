@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from dgemma_sampler import reference
 
@@ -442,6 +444,44 @@ def test_split_plan_at_production_shapes(block_m, block_n, expected):
         assert plan.programs == dp_head + tail * split
 
 
+@triton.jit
+def _schedule_kernel(out_ptr, n_tiles_n, dp_head, tail_tiles, split, GROUP: tl.constexpr):
+    """Each program's (M-tile, N-tile, split piece) as the Gluon kernel takes them."""
+    pid = tl.program_id(0)
+    m_tile, n_tile, _, piece, _ = se._tile_of_program(pid, n_tiles_n, dp_head, tail_tiles, split)
+    m_tile, n_tile = se._grouped_tile(m_tile, n_tile, dp_head, n_tiles_n, GROUP)
+    tl.store(out_ptr + 3 * pid, m_tile)
+    tl.store(out_ptr + 3 * pid + 1, n_tile)
+    tl.store(out_ptr + 3 * pid + 2, piece)
+
+
+@cpu_only
+@pytest.mark.parametrize("group", [1, 6, 12])
+@pytest.mark.parametrize("rows,planned_rows,hidden,sms", [
+    (256, 256, 2816, 132),          # 1 request: the split tail alone
+    (4096, 4096, 2816, 132),        # whole waves in 4 groups of 6 M-tiles, a tail
+    (8192 + 768, 8192, 2816, 132),  # rows past the planned ones, taken whole
+    (5000, 5000, 2048, 114),        # waves that are not whole groups
+    (3000, 3000, 1000, 7),          # a ragged last N-tile, many small waves
+])
+def test_grouped_order_takes_every_tile_once(rows, planned_rows, hidden, sms, group):
+    """The Gluon kernel's program order (``_tile_of_program``, then ``_grouped_tile``) is a
+    permutation: every whole tile taken by one program, every tail tile's pieces by one each."""
+    cfg = se.TileConfig(128, 256, 64, 8, 3)
+    plan = se.plan_split(rows, planned_rows, hidden, 262144, cfg, sms)
+    out = torch.full((plan.programs, 3), -1, dtype=torch.int32)
+    _schedule_kernel[(plan.programs,)](out, plan.n_tiles_n, plan.dp_head, plan.tail_tiles,
+                                       plan.split, GROUP=group)
+    want = []
+    for tile in range(math.ceil(rows / 128) * plan.n_tiles_n):
+        in_tail = plan.dp_head <= tile < plan.dp_head + plan.tail_tiles
+        want += [(*divmod(tile, plan.n_tiles_n), piece) for piece in range(plan.split if in_tail else 1)]
+    assert sorted(map(tuple, out.tolist())) == sorted(want)
+    if group == 6 and plan.dp_head >= 6 * plan.n_tiles_n:
+        # consecutive programs share an E tile (N-tile) in a whole group
+        assert out[:6, 1].unique().numel() == 1 and out[:6, 0].tolist() == list(range(6))
+
+
 def _bad(case: Case, **changes):
     kwargs = dict(zip(("logits", "row_request", "temperature", "lse", "embed_weight", "normalizer"),
                       case.args()))
@@ -639,7 +679,7 @@ def test_gpu_wgmma_kernel_matches_the_triton_kernel(requests, logits_dtype):
     """The Gluon kernel (soft_embedding_wgmma.py) against the Triton one on the same inputs:
     split-K (1 request), a ragged vocabulary slice, dropped rows, a top-k threshold on some rows,
     out rows scattered into a slot buffer, a tensor normalizer; and against float64. At 16 and
-    32 requests whole tiles run in the grouped order (``_grouped``), the split tail in its own."""
+    32 requests whole tiles run in the grouped order (``soft_embedding._grouped_tile``), the split tail in its own."""
     wg = pytest.importorskip("dgemma_sampler.kernels.soft_embedding_wgmma")
     case = production_case(requests, logits_dtype=logits_dtype, seed=40 + requests)
     v0 = 1000  # a slice that starts and ends off the 64-column K blocks
