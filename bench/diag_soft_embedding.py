@@ -36,10 +36,6 @@ LOAD_X_CONST = "_tma_load(x_desc, [row0, kb_begin * BK], bar, x_bufs.index(stage
 LOAD_E = "_tma_load(e_desc, [kb * BK, col0], bar, e_bufs.index(stage))"
 LOAD_E_CONST = "_tma_load(e_desc, [kb_begin * BK, col0], bar, e_bufs.index(stage))"
 MIXED_EXP = "p = _exp2_mixed(gl.minimum(d2, 0.0, propagate_nan=tl.PropagateNan.ALL))"
-EXP_BF16X2 = "p = _exp2_bf16x2(gl.minimum(d2, 0.0, propagate_nan=tl.PropagateNan.ALL).to(dtype)).to(gl.float32)"
-_EXP2_BF16X2 = ("@gluon.jit\ndef _exp2_bf16x2(d2):\n"
-                "    return gl.inline_asm_elementwise('ex2.approx.ftz.bf16x2 $0, $1;', '=r,r', [d2],"
-                " dtype=gl.bfloat16, is_pure=True, pack=2)\n\n\n")
 # 2^d for d <= 0 (or -inf / NaN -> 0) by polynomial: t = d + 1.5 * 2^23 rounds d to the
 # integer j (in t's low mantissa bits), f = d - j in [-0.5, 0.5], 2^f by Taylor to degree 5,
 # j added to the exponent field; d < -125 gives 0 (MUFU.EX2.FTZ gives 0 below -126).
@@ -92,7 +88,7 @@ VARIANTS = {
     "p_shared": [(P_IN_REGISTERS, "    return False\n")],
     "p_registers": [(P_IN_REGISTERS, "    return True\n")],
     "p_registers_no_row_perm": [(P_IN_REGISTERS, "    return True\n"),
-                                ("ROW_PERM=p_in_registers(logits.dtype) and logits.dtype == torch.float32,",
+                                ("ROW_PERM=registers and logits.dtype == torch.float32,",
                                  "ROW_PERM=False,")],
     # every K step loads the tiles of the program's first K block (wrong results, timing
     # only): the GEMM with its operands always in L2 (const_k), or one operand so (const_x:
@@ -102,9 +98,9 @@ VARIANTS = {
     "const_k": [(LOAD_X, LOAD_X_CONST), (LOAD_E, LOAD_E_CONST)],
     "const_x": [(LOAD_X, LOAD_X_CONST)],
     "const_e": [(LOAD_E, LOAD_E_CONST)],
-    # the whole-tile waves in another order (soft_embedding._grouped_tile): groups of g M-tiles with the M-tile
-    # fastest (the default g = GROUP_M; g = 1 is the N-tile-fastest order used before
-    # 2026-12-04, whose 11 consecutive programs share a logits tile). At 32 requests from
+    # the whole-tile waves in another order (soft_embedding._grouped_tile): groups of g
+    # M-tiles with the M-tile fastest (the default g = GROUP_M; g = 1 is the N-tile-fastest
+    # order used before 2026-12-04, whose 11 consecutive programs share a logits tile). At 32 requests from
     # bf16 logits groups of 2-12 take 72-74% to 78-79%; fp32 logits unchanged with 2-6, 64%
     # with 12; at 16 requests within the noise (soft_embedding-diag-h200-v17-order.log,
     # alternating A/B in -v18-order-ab.log). The split-K tail's programs M-tile fastest as

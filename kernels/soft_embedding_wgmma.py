@@ -448,9 +448,10 @@ def supported(logits: torch.Tensor, embed_weight: torch.Tensor, vocab_start: int
 
 
 def p_in_registers(logits_dtype: torch.dtype) -> bool:
-    """Whether the wgmma takes ``p`` from registers (the default: 16-bit logits read by
-    ``ldmatrix``, fp32 logits by conflict-free ``LDS.64`` in ``FP32_A_LAYOUT``) or from shared
-    memory (the other K loop, kept for ``bench/diag_soft_embedding.py``)."""
+    """Whether the wgmma takes ``p`` from registers (16-bit logits, read by ``ldmatrix``) or
+    from shared memory (fp32 logits). fp32 logits in registers, read conflict-free in
+    ``FP32_A_LAYOUT``, measured no faster (module docstring); that K loop stays for
+    ``bench/diag_soft_embedding.py`` and its GPU test."""
     return logits_dtype != torch.float32
 
 
@@ -480,6 +481,7 @@ def launch(logits, row_request, inv_t, lse, embed_weight, norm_tensor, norm_valu
     e_dtype = gl.bfloat16 if embed_weight.dtype == torch.bfloat16 else gl.float16
     local = logits[:, vocab_start:vocab_start + v_local]
     x_layout, e_layout = _tile_layouts(x_dtype, e_dtype)
+    registers = p_in_registers(logits.dtype)
     x_desc = TensorDescriptor(local, [n_rows, v_local], [logits.stride(0), 1], [BLOCK_M, BLOCK_K], x_layout)
     e_desc = TensorDescriptor(embed_weight, [v_local, hidden], [embed_weight.stride(0), 1],
                               [BLOCK_K, BLOCK_N], e_layout)
@@ -495,8 +497,7 @@ def launch(logits, row_request, inv_t, lse, embed_weight, norm_tensor, norm_valu
         HAS_OUT_INDEX=out_index is not None, NORM_IS_TENSOR=norm_tensor is not None,
         STAGES=stages_for(logits.dtype, embed_weight.dtype), SCRATCH_N=BLOCK_N,
         VEC=16 // logits.element_size(), P_SWIZZLE=_p_swizzle(logits.element_size()),
-        P_IN_REGISTERS=p_in_registers(logits.dtype),
-        ROW_PERM=p_in_registers(logits.dtype) and logits.dtype == torch.float32,
+        P_IN_REGISTERS=registers, ROW_PERM=registers and logits.dtype == torch.float32,
         GROUP=GROUP_M, CONSUMER_REGS=CONSUMER_REGS,
         LOADER_REGS=LOADER_REGS, num_warps=4,
     )

@@ -673,13 +673,14 @@ def test_out_index_scatters_rows_into_a_slot_buffer(split):
 
 @gpu
 @gpu_only
-@pytest.mark.parametrize("requests,logits_dtype", [(1, torch.float32), (3, torch.bfloat16), (16, torch.bfloat16),
-                                                    (32, torch.float32)])
+@pytest.mark.parametrize("requests,logits_dtype", [(1, torch.float32), (3, torch.bfloat16),
+                                                    (16, torch.bfloat16), (32, torch.float32)])
 def test_gpu_wgmma_kernel_matches_the_triton_kernel(requests, logits_dtype):
     """The Gluon kernel (soft_embedding_wgmma.py) against the Triton one on the same inputs:
     split-K (1 request), a ragged vocabulary slice, dropped rows, a top-k threshold on some rows,
     out rows scattered into a slot buffer, a tensor normalizer; and against float64. At 16 and
-    32 requests whole tiles run in the grouped order (``soft_embedding._grouped_tile``), the split tail in its own."""
+    32 requests whole tiles run in the grouped order (``soft_embedding._grouped_tile``), the
+    split tail in its own."""
     wg = pytest.importorskip("dgemma_sampler.kernels.soft_embedding_wgmma")
     case = production_case(requests, logits_dtype=logits_dtype, seed=40 + requests)
     v0 = 1000  # a slice that starts and ends off the 64-column K blocks
