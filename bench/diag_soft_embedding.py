@@ -35,6 +35,29 @@ LOAD_X = "_tma_load(x_desc, [row0, kb * BK], bar, x_bufs.index(stage))"
 LOAD_X_CONST = "_tma_load(x_desc, [row0, kb_begin * BK], bar, x_bufs.index(stage))"
 LOAD_E = "_tma_load(e_desc, [kb * BK, col0], bar, e_bufs.index(stage))"
 LOAD_E_CONST = "_tma_load(e_desc, [kb_begin * BK, col0], bar, e_bufs.index(stage))"
+BLOCK_SHAPE = "BLOCK_M, BLOCK_N, BLOCK_K = 128, 256, 64"
+SHARED_P_PROLOGUE = """        x = x_bufs.index(stage).slice(WG * WM, WM).load(tile_layout).to(gl.float32)
+        p = _probabilities(x, inv_t, neg_lse2, threshold, HAS_THRESHOLD, e_dtype)
+        p_buf = p_bufs.index(2 * WG + i % 2)
+        p_buf.store(p)
+        fence_async_shared()
+        _cta_barrier()  # in a partition: this warpgroup's named barrier
+        acc = warpgroup_mma(p_buf, e_bufs.index(stage), acc, is_async=True)"""
+PLAIN_MMA = "        acc = warpgroup_mma(x_bufs.index(stage).slice(WG * WM, WM), e_bufs.index(stage), acc, is_async=True)"
+LEAN_EXP = 'p = _exp2_ftz(gl.maximum(d2, float("-inf")))'
+NAN_TO_ZERO_BODY = """    if p.dtype == gl.bfloat16:
+        return gl.inline_asm_elementwise("max.bf16x2 $0, $1, $2;", "=r,r,r", [p, gl.zeros_like(p)],
+                                         dtype=gl.bfloat16, is_pure=True, pack=2)
+    else:
+        return gl.inline_asm_elementwise("max.f16x2 $0, $1, $2;", "=r,r,r", [p, gl.zeros_like(p)],
+                                         dtype=gl.float16, is_pure=True, pack=2)
+"""
+ONE_FMA = ("        d2 = gl.fma(x * gl.expand_dims(inv_t, 1), LOG2E, gl.expand_dims(neg_lse2, 1))",
+           "        d2 = gl.fma(x, gl.expand_dims(inv_t * LOG2E, 1), gl.expand_dims(neg_lse2, 1))")
+ONE_FMA_16 = "on a GPU (``bench/results/soft_embedding-diag-h200-v23-one-fma.log``).\"\"\"\n    return False\n"
+FENCE = "        fence_async_shared()\n"
+BARRIER = "        _cta_barrier()  # in a partition: this warpgroup's named barrier\n"
+FENCE_BARRIER = FENCE + BARRIER
 MIXED_EXP = "p = _exp2_mixed(gl.minimum(d2, 0.0, propagate_nan=tl.PropagateNan.ALL))"
 # 2^d for d <= 0 (or -inf / NaN -> 0) by polynomial: t = d + 1.5 * 2^23 rounds d to the
 # integer j (in t's low mantissa bits), f = d - j in [-0.5, 0.5], 2^f by Taylor to degree 5,
@@ -76,6 +99,12 @@ def _mixed_exp2(pack: int) -> str:
 #   ("insufficient register resources", C7512, with 232 or 240 registers per consumer thread);
 #   not timed. And ex2.approx.ftz.bf16x2 compiles to two MUFU.EX2.BF16 per pair: no MUFU issue
 #   saved (SASS, Triton 3.6, bench/compile_sm90.py); not timed.
+# - the register K loop issuing each K step as two half-width wgmma, one in flight while the
+#   other half's p is made (both halves' operands named in the waits' deps): ptxas serializes
+#   every wgmma (C7512) even with .maxnreg raised to 232 in the PTX; not timed.
+# - the fp32 logits loaded by the consumer warpgroups (16-byte pointer loads one K step
+#   ahead, p through shared memory, E alone by TMA in 6 stages): bit-identical, 61% against 75%
+#   at 32 requests (soft_embedding-diag-h200-v22-x-pointer.log).
 
 # name -> list of (old, new) substitutions
 VARIANTS = {
@@ -123,8 +152,10 @@ VARIANTS = {
     # z * log2(e) - lse2 as one FMA with inv_t * log2(e) folded (p moves by ~1 fp32 ulp, no
     # longer bit-identical to the Triton kernel): does the prologue's FMUL per entry count?
     # (No, soft_embedding-diag-h200-v12-rs.log.)
-    "one_fma": [("d2 = gl.fma(x * gl.expand_dims(inv_t, 1), LOG2E, gl.expand_dims(neg_lse2, 1))",
-                 "d2 = gl.fma(x, gl.expand_dims(inv_t * LOG2E, 1), gl.expand_dims(neg_lse2, 1))")],
+    "one_fma": [ONE_FMA],
+    # 16-bit logits: the one-FFMA loop in the warpgroups whose rows allow it, the exact one in
+    # the others (greedy rows); not the default until it has run on a GPU (one_fma's docstring)
+    "one_fma16": [(ONE_FMA_16, ONE_FMA_16.replace("return False", "return logits_dtype.itemsize == 2"))],
     # no MUFU: p = min(d2, 0) cast. Faster in time but not in cycles: the exponentials cost
     # clock frequency under the power limit, not latency (ncu-h200-gemm-noexp-cycles.txt)
     "noexp": [(EXP, "p = gl.minimum(d2, 0.0, propagate_nan=tl.PropagateNan.ALL)")],
@@ -134,6 +165,30 @@ VARIANTS = {
     # 62% (poly2) and 67% (poly4) of cuBLAS from fp32 logits (soft_embedding-diag-h200-v9.log)
     "poly2": [(NAN_TO_ZERO, _mixed_exp2(2) + NAN_TO_ZERO), (EXP, MIXED_EXP)],
     "poly4": [(NAN_TO_ZERO, _mixed_exp2(4) + NAN_TO_ZERO), (EXP, MIXED_EXP)],
+    # K steps of 32 instead of 64 (twice the synchronisations per FLOP, a deeper pipeline in
+    # steps: up to 6 stages): does the prologue's latency chain hide better in smaller pieces?
+    # No: 63% / 72% against 73% / 81% at 32 requests (soft_embedding-diag-h200-v20-skeleton.log)
+    "bk32": [(BLOCK_SHAPE, "BLOCK_M, BLOCK_N, BLOCK_K = 128, 256, 32"),
+             ("return max(2, min(4,", "return max(2, min(6,")],
+    # the GEMM skeleton alone (timing only, 16-bit logits; fp32 logits do not compile): the
+    # logits tile goes from its TMA stage straight to the wgmma as the A operand, no prologue,
+    # no p; what the same tiles, pipeline and warps reach on a plain bf16 GEMM: 102% / 105% /
+    # 86% of cuBLAS at 32 / 4 / 1 requests (-v20-skeleton.log). So the tiles, the L2 traffic
+    # without multicast and the pipeline are not the gap; the prologue is
+    "plain": [(P_IN_REGISTERS, "    return False\n"), (SHARED_P_PROLOGUE, PLAIN_MMA)],
+    # the p-through-shared-memory K loop without its proxy fence, without the warpgroup
+    # barrier before the wgmma, or without both (timing only: p may be read before it is
+    # written): does the handover of p to the tensor cores hold the next wgmma back? No: fp32
+    # logits 75% / 75% / 74% / 75% (base / nofence / nobarrier / both) at 32 requests
+    # (soft_embedding-diag-h200-v21-handover.log)
+    "nofence": [(FENCE_BARRIER, BARRIER)],
+    "nobarrier": [(FENCE_BARRIER, FENCE)],
+    "nofence_nobarrier": [(FENCE_BARRIER, "")],
+    # fewer prologue instructions per entry: NaN -> -inf before the exponential by one
+    # non-propagating max, no clamp of d2 at 0 and no NaN pass on p (lean: 1 FMNMX instead of
+    # FMNMX + HMNMX2 per two entries; lean_fma: also one_fma's single FMA)
+    "lean": [(EXP, LEAN_EXP), (NAN_TO_ZERO_BODY, "    return p\n")],
+    "lean_fma": [(EXP, LEAN_EXP), (NAN_TO_ZERO_BODY, "    return p\n"), ONE_FMA],
 }
 
 

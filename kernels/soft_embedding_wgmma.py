@@ -44,12 +44,20 @@ How ``p`` reaches the tensor cores depends on the logits dtype (``p_in_registers
   bf16 logits: 76% of cuBLAS at 32 requests against 64% through shared memory
   (``soft_embedding-diag-h200-v14.log``).
 
-What limits it (``bench/results/ncu-h200-2026-12-03.md``): in SM cycles the kernel is at 71%
-(fp32 logits) and 77% (bf16) of cuBLAS at 32 requests, with or without the exponentials;
-they cost clock frequency under the power limit, not cycles. The gap is the GEMM's own: tiles
-that stream their operands from L2 alone, where cuBLAS multicasts one within 2-CTA clusters.
-Timed with one operand's loads pinned to the program's first K block (so always in L2,
-``soft_embedding-diag-h200-v17-operands.log``): pinning E gains 5% (fp32 logits) and 11%
+What limits it: the prologue, not the GEMM around it. The same tiles, pipeline and warps with
+the bf16 logits tile handed from its TMA stage straight to the wgmma (no prologue) reach 102% /
+105% / 86% of cuBLAS at 32 / 4 / 1 requests (``bench/diag_soft_embedding.py``, variant
+``plain``, ``soft_embedding-diag-h200-v20-skeleton.log``), so L2 traffic without cuBLAS's
+2-CTA multicast is not the gap. In SM cycles the kernel is at 71% (fp32 logits) and 77%
+(bf16) of cuBLAS at 32 requests with or without the exponentials
+(``bench/results/ncu-h200-2026-12-03.md``, ``ncu-h200-gemm-noexp-cycles.txt``); they cost
+clock frequency under the power limit. The rest of the prologue's cost is not in one stage:
+without the proxy fence or the warpgroup barrier before the wgmma nothing changes
+(``-v21-handover.log``), nor without the logits' trip through shared memory (pointer loads:
+slower, ``-v22-x-pointer.log``); one FFMA instead of FMUL + FFMA per entry is faster from
+bf16 logits only (``-v23-one-fma.log``; ``one_fma``, not yet the default). With one
+operand's loads pinned to the program's first K block (so always in L2,
+``soft_embedding-diag-h200-v17-operands.log``) pinning E gains 5% (fp32 logits) and 11%
 (bf16), pinning the logits nothing. Hence the order of whole tiles (``_grouped_tile``): the
 programs that share an E tile run side by side.
 
@@ -164,12 +172,23 @@ def _neg_lse2(lse):
     return -gl.where(residual < 0, below, lse2)
 
 
+# |lse * log2(e)| below which the one-FFMA prologue is used (``soft_embedding.ONE_FMA_MAX_LSE2``).
+ONE_FMA_MAX_LSE2 = gl.constexpr(1024.0)
+
+
 @gluon.jit
-def _probabilities(x, inv_t, neg_lse2, threshold, THRESHOLD: gl.constexpr, dtype: gl.constexpr):
+def _probabilities(x, inv_t, neg_lse2, threshold, THRESHOLD: gl.constexpr, dtype: gl.constexpr,
+                   ONE_FMA: gl.constexpr = False):
     """``p = exp(x * inv_t - lse)`` of an fp32 logits tile, as the MMA operand ``dtype``: 0 below
-    the row's threshold, for NaN and on dead rows (``neg_lse2 = -inf``)."""
-    # z = x * inv_t as the row-statistics pass computed it, then base 2 against lse.
-    d2 = gl.fma(x * gl.expand_dims(inv_t, 1), LOG2E, gl.expand_dims(neg_lse2, 1))
+    the row's threshold, for NaN and on dead rows (``neg_lse2 = -inf``). With ``ONE_FMA`` the
+    caller passes ``inv_t * log2(e)`` as ``inv_t``."""
+    if ONE_FMA:
+        # One FFMA, skipping z's rounding: only where that moves p by < 2e-4 relative
+        # (``soft_embedding._probabilities``).
+        d2 = gl.fma(x, gl.expand_dims(inv_t, 1), gl.expand_dims(neg_lse2, 1))
+    else:
+        # z = x * inv_t as the row-statistics pass computed it, then base 2 against lse.
+        d2 = gl.fma(x * gl.expand_dims(inv_t, 1), LOG2E, gl.expand_dims(neg_lse2, 1))
     if THRESHOLD:
         d2 = gl.where(x >= gl.expand_dims(threshold, 1), d2, float("-inf"))
     p = _exp2_ftz(gl.minimum(d2, 0.0, propagate_nan=tl.PropagateNan.ALL))
@@ -288,26 +307,28 @@ def _k_loop_shared_p(WG: gl.constexpr, WM: gl.constexpr, e_dtype: gl.constexpr, 
 
 
 @gluon.jit
-def _k_loop_register_p(WG: gl.constexpr, WM: gl.constexpr, e_dtype: gl.constexpr, smem, n_k, acc,
-                       inv_t, neg_lse2, threshold, a_layout: gl.constexpr,
-                       HAS_THRESHOLD: gl.constexpr, ROW_PERM: gl.constexpr):
-    """``acc += p @ E`` over the K steps, ``p`` the wgmma's register operand: the logits tile is
-    read straight in the A-operand layout (``ldmatrix`` for 16-bit logits), the next ``p`` is
-    made while the wgmma runs, and the wgmma is waited for before its operand registers are
-    rewritten (the other warpgroup's wgmma keeps the tensor cores busy meanwhile)."""
+def _k_loop_register_p(WG: gl.constexpr, WM: gl.constexpr, e_dtype: gl.constexpr, smem, i_begin,
+                       i_end, acc, inv_t, neg_lse2, threshold, a_layout: gl.constexpr,
+                       HAS_THRESHOLD: gl.constexpr, ROW_PERM: gl.constexpr,
+                       ONE_FMA: gl.constexpr):
+    """``acc += p @ E`` over K steps ``[i_begin, i_end)``, ``p`` the wgmma's register operand: the
+    logits tile is read straight in the A-operand layout (``ldmatrix`` for 16-bit logits), the
+    next ``p`` is made while the wgmma runs, and the wgmma is waited for before its operand
+    registers are rewritten (the other warpgroup's wgmma keeps the tensor cores busy
+    meanwhile). ``ONE_FMA``: the one-FFMA prologue, ``inv_t`` being ``inv_t * log2(e)``."""
     x_bufs, e_bufs, p_bufs, ready, empty = smem
     STAGES: gl.constexpr = x_bufs.type.shape[0]
-    mbarrier.wait(ready.index(0), 0, pred=n_k > 0)
-    x = _load_operand(x_bufs.index(0).slice(WG * WM, WM), a_layout, ROW_PERM)
-    p = _probabilities(x, inv_t, neg_lse2, threshold, HAS_THRESHOLD, e_dtype)
-    for i in range(n_k):
+    mbarrier.wait(ready.index(i_begin % STAGES), (i_begin // STAGES) & 1, pred=i_begin < i_end)
+    x = _load_operand(x_bufs.index(i_begin % STAGES).slice(WG * WM, WM), a_layout, ROW_PERM)
+    p = _probabilities(x, inv_t, neg_lse2, threshold, HAS_THRESHOLD, e_dtype, ONE_FMA)
+    for i in range(i_begin, i_end):
         stage = i % STAGES
         acc = warpgroup_mma(p, e_bufs.index(stage), acc, is_async=True)
         # The next step's p while this wgmma runs (after the last step a stale tile, unused).
         nxt = i + 1
-        mbarrier.wait(ready.index(nxt % STAGES), (nxt // STAGES) & 1, pred=nxt < n_k)
+        mbarrier.wait(ready.index(nxt % STAGES), (nxt // STAGES) & 1, pred=nxt < i_end)
         x = _load_operand(x_bufs.index(nxt % STAGES).slice(WG * WM, WM), a_layout, ROW_PERM)
-        p = _probabilities(x, inv_t, neg_lse2, threshold, HAS_THRESHOLD, e_dtype)
+        p = _probabilities(x, inv_t, neg_lse2, threshold, HAS_THRESHOLD, e_dtype, ONE_FMA)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         _cta_barrier()  # every warp's wgmma of this step is done: release its stage
         mbarrier.arrive(empty.index(stage))
@@ -318,7 +339,7 @@ def _k_loop_register_p(WG: gl.constexpr, WM: gl.constexpr, e_dtype: gl.constexpr
 def _consumer(WG: gl.constexpr, descs, smem, tile, row_args, out_args,
               HAS_THRESHOLD: gl.constexpr, HAS_KEEP: gl.constexpr, HAS_OUT_INDEX: gl.constexpr,
               NORM_IS_TENSOR: gl.constexpr, SCRATCH_N: gl.constexpr, VEC: gl.constexpr,
-              P_IN_REGISTERS: gl.constexpr, ROW_PERM: gl.constexpr):
+              P_IN_REGISTERS: gl.constexpr, ROW_PERM: gl.constexpr, ONE_FMA: gl.constexpr):
     """Consumer warpgroup ``WG`` (4 warps): rows ``[64 WG, 64 WG + 64)`` of the tile, its K
     loop, then its part of the epilogue."""
     x_desc, e_desc = descs
@@ -348,8 +369,16 @@ def _consumer(WG: gl.constexpr, descs, smem, tile, row_args, out_args,
     # of accumulator registers, serializes every wgmma (advisory C7515).
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     if P_IN_REGISTERS:
-        acc = _k_loop_register_p(WG, WM, e_desc.dtype, smem, n_k, acc, inv_t, neg_lse2, threshold,
-                                 x_layout, HAS_THRESHOLD, ROW_PERM)
+        n_one = 0
+        if ONE_FMA:
+            # Uniform per warpgroup: the one-FFMA loop where it is accurate, the exact one
+            # otherwise (greedy rows, |lse| ~ 1e11); two loops in sequence, one of them empty.
+            steep = gl.max(gl.where(neg_lse2 > float("-inf"), gl.abs(neg_lse2), 0.0), 0)
+            n_one = gl.where(steep < ONE_FMA_MAX_LSE2, n_k, 0)
+            acc = _k_loop_register_p(WG, WM, e_desc.dtype, smem, 0, n_one, acc, inv_t * LOG2E,
+                                     neg_lse2, threshold, x_layout, HAS_THRESHOLD, ROW_PERM, True)
+        acc = _k_loop_register_p(WG, WM, e_desc.dtype, smem, n_one, n_k, acc, inv_t, neg_lse2,
+                                 threshold, x_layout, HAS_THRESHOLD, ROW_PERM, False)
     else:
         acc = _k_loop_shared_p(WG, WM, e_desc.dtype, smem, n_k, acc, inv_t, neg_lse2, threshold,
                                x_layout, HAS_THRESHOLD)
@@ -368,7 +397,8 @@ def soft_embedding_wgmma_kernel(
     HAS_THRESHOLD: gl.constexpr, HAS_KEEP: gl.constexpr, HAS_OUT_INDEX: gl.constexpr,
     NORM_IS_TENSOR: gl.constexpr, STAGES: gl.constexpr, SCRATCH_N: gl.constexpr,
     VEC: gl.constexpr, P_SWIZZLE: gl.constexpr, P_IN_REGISTERS: gl.constexpr,
-    ROW_PERM: gl.constexpr, GROUP: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    ROW_PERM: gl.constexpr, ONE_FMA: gl.constexpr, GROUP: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
     LOADER_REGS: gl.constexpr,
 ):
     BM: gl.constexpr = x_desc.block_type.shape[0]
@@ -414,9 +444,11 @@ def soft_embedding_wgmma_kernel(
     # arrive as tensors)
     gl.warp_specialize([
         (_consumer, (0, descs, smem, tile, row_args, out_args, HAS_THRESHOLD, HAS_KEEP,  # own warps
-                     HAS_OUT_INDEX, NORM_IS_TENSOR, SCRATCH_N, VEC, P_IN_REGISTERS, ROW_PERM)),
+                     HAS_OUT_INDEX, NORM_IS_TENSOR, SCRATCH_N, VEC, P_IN_REGISTERS, ROW_PERM,
+                     ONE_FMA)),
         (_consumer, (1, descs, smem, tile, row_args, out_args, HAS_THRESHOLD, HAS_KEEP,
-                     HAS_OUT_INDEX, NORM_IS_TENSOR, SCRATCH_N, VEC, P_IN_REGISTERS, ROW_PERM)),
+                     HAS_OUT_INDEX, NORM_IS_TENSOR, SCRATCH_N, VEC, P_IN_REGISTERS, ROW_PERM,
+                     ONE_FMA)),
         (_loader, (descs, smem, tile)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
     for s in gl.static_range(STAGES):
@@ -453,6 +485,14 @@ def p_in_registers(logits_dtype: torch.dtype) -> bool:
     ``FP32_A_LAYOUT``, measured no faster (module docstring); that K loop stays for
     ``bench/diag_soft_embedding.py`` and its GPU test."""
     return logits_dtype != torch.float32
+
+
+def one_fma(logits_dtype: torch.dtype) -> bool:
+    """Whether the register K loop (16-bit logits) runs the one-FFMA prologue in warpgroups
+    whose rows allow it. Not yet: the same arithmetic in every warpgroup (diagnostic variant
+    ``one_fma``) took bf16 logits from 67-79% to 72-86% of cuBLAS, but this loop pair has not
+    run on a GPU (``bench/results/soft_embedding-diag-h200-v23-one-fma.log``)."""
+    return False
 
 
 def stages_for(logits_dtype: torch.dtype, embed_dtype: torch.dtype, smem_bytes: int = 227 * 1024) -> int:
@@ -498,6 +538,7 @@ def launch(logits, row_request, inv_t, lse, embed_weight, norm_tensor, norm_valu
         STAGES=stages_for(logits.dtype, embed_weight.dtype), SCRATCH_N=BLOCK_N,
         VEC=16 // logits.element_size(), P_SWIZZLE=_p_swizzle(logits.element_size()),
         P_IN_REGISTERS=registers, ROW_PERM=registers and logits.dtype == torch.float32,
+        ONE_FMA=registers and one_fma(logits.dtype),
         GROUP=GROUP_M, CONSUMER_REGS=CONSUMER_REGS,
         LOADER_REGS=LOADER_REGS, num_warps=4,
     )

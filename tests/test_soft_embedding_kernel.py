@@ -714,6 +714,18 @@ def test_gpu_wgmma_kernel_matches_the_triton_kernel(requests, logits_dtype):
     assert torch.equal(torch.nan_to_num(again, 7.0), torch.nan_to_num(got, 7.0)), "not deterministic"
 
 
+def wgmma_outputs_with(monkeypatch, module, switch, values, case) -> list[torch.Tensor]:
+    """The Gluon kernel's outputs on ``case`` with ``module.<switch>`` (a function of the logits
+    dtype that picks a K loop) answering each of ``values`` in turn."""
+    outs = []
+    for value in values:
+        monkeypatch.setattr(module, switch, lambda dtype, value=value: value)
+        out = torch.full((case.logits.shape[0], HIDDEN), POISON, device="cuda")
+        se.soft_embedding_rows(*case.args(), out=out, wgmma=True, **case.kwargs())
+        outs.append(out)
+    return outs
+
+
 @gpu
 @gpu_only
 def test_gpu_fp32_p_in_registers_changes_no_bit(monkeypatch):
@@ -725,13 +737,24 @@ def test_gpu_fp32_p_in_registers_changes_no_bit(monkeypatch):
     threshold = torch.full((case.logits.shape[0],), float("-inf"), device="cuda")
     threshold[::5] = case.logits[::5].topk(20, dim=1).values[:, -1]
     case = replace(case, threshold=threshold)
-    outs = []
-    for registers in (False, True):
-        monkeypatch.setattr(wg, "p_in_registers", lambda dtype, registers=registers: registers)
-        out = torch.full((case.logits.shape[0], HIDDEN), POISON, device="cuda")
-        se.soft_embedding_rows(*case.args(), out=out, wgmma=True, **case.kwargs())
-        outs.append(out)
+    outs = wgmma_outputs_with(monkeypatch, wg, "p_in_registers", (False, True), case)
     assert torch.equal(outs[0], outs[1])
+
+
+@gpu
+@gpu_only
+def test_gpu_one_fma_prologue_leaves_greedy_rows_exact(monkeypatch):
+    """16-bit logits: the Gluon kernel's one-FFMA prologue (``one_fma``) runs only in warpgroups
+    whose rows allow it. A greedy request's rows (T = 0, |lse| ~ 1e11) keep the exact loop, so
+    their outputs are the exact prologue's bits; the other rows stay within 1e-4 of it, and
+    everything within bf16 tolerance of float64."""
+    wg = pytest.importorskip("dgemma_sampler.kernels.soft_embedding_wgmma")
+    case = production_case(4, logits_dtype=torch.bfloat16, greedy=True, seed=11)
+    got, exact = wgmma_outputs_with(monkeypatch, wg, "one_fma", (True, False), case)
+    greedy = case.row_request == 0
+    assert torch.equal(got[greedy], exact[greedy])
+    assert rel_err(got[~greedy], exact[~greedy].double()) <= 1e-4
+    check_gpu(case, got)
 
 
 def test_diagnostic_variants_still_match_the_gluon_kernel():
