@@ -162,6 +162,10 @@ VARIANTS = {
     # the same without the clamp of d2 at 0 in the one-FFMA loop: there |lse2| < 1024, so a
     # positive d2 is below 2^-9 and 2^d2 still casts to 1 (NaN p still zeroed after the cast)
     "one_fma16_noclamp": [ONE_FMA_16_ON, (EXP, "p = _exp2_ftz(d2) if ONE_FMA else " + EXP[4:])],
+    # fp32 logits through the register K loop (p_registers) with that loop pair: less
+    # shared-memory traffic than p through shared memory, and the one FFMA (not timed yet)
+    "one_fma_registers": [(P_IN_REGISTERS, "    return True\n"),
+                          (ONE_FMA_16, ONE_FMA_16.replace("return False", "return True"))],
     # no MUFU: p = min(d2, 0) cast. Faster in time but not in cycles: the exponentials cost
     # clock frequency under the power limit, not latency (ncu-h200-gemm-noexp-cycles.txt)
     "noexp": [(EXP, "p = gl.minimum(d2, 0.0, propagate_nan=tl.PropagateNan.ALL)")],
