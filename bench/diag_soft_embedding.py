@@ -151,8 +151,9 @@ VARIANTS = {
     # another register split between the consumer warpgroups and the TMA warp
     "regs240": [("CONSUMER_REGS, LOADER_REGS = 232, 40", "CONSUMER_REGS, LOADER_REGS = 240, 24")],
     # z * log2(e) - lse2 as one FMA with inv_t * log2(e) folded (p moves by ~1 fp32 ulp, no
-    # longer bit-identical to the Triton kernel): does the prologue's FMUL per entry count?
-    # (No, soft_embedding-diag-h200-v12-rs.log.)
+    # longer bit-identical to the Triton kernel; wrong on greedy rows): does the prologue's FMUL
+    # per entry count? Not from fp32 logits (soft_embedding-diag-h200-v12-rs.log, -v23-one-fma.log);
+    # from bf16 logits it does, 72-86% against 67-79% of cuBLAS at 1-32 requests (-v23)
     "one_fma": [ONE_FMA],
     # 16-bit logits: the one-FFMA loop in the warpgroups whose rows allow it, the exact one in
     # the others (greedy rows); not the default until it has run on a GPU (one_fma's docstring).

@@ -203,6 +203,14 @@ ONE_FMA_MAX_LSE2 = tl.constexpr(1024.0)
 
 
 @triton.jit
+def _one_fma_accurate(neg_lse2):
+    """Whether the one-FFMA prologue is accurate for all of these rows (``[ROWS]``
+    ``-lse log2 e``, -inf on rows not computed): ``|lse2| < ONE_FMA_MAX_LSE2`` on every live
+    row. Both GEMM kernels decide by it, uniform per tile (per warpgroup in the Gluon one)."""
+    return tl.max(tl.where(neg_lse2 > float("-inf"), tl.abs(neg_lse2), 0.0), 0) < ONE_FMA_MAX_LSE2
+
+
+@triton.jit
 def _probabilities(x, inv_t, inv_t2, neg_lse2, threshold, allowed, SOFTCAP: tl.constexpr,
                    HAS_THRESHOLD: tl.constexpr, HAS_ALLOWED: tl.constexpr, ONE_FMA: tl.constexpr,
                    INTERPRET: tl.constexpr):
@@ -419,7 +427,7 @@ def soft_embedding_kernel(
     # Uniform per tile: the one-FFMA prologue where it is accurate (see _probabilities).
     one_fma = False
     if ONE_FMA_PROLOGUE:
-        one_fma = tl.max(tl.where(neg_lse2 > float("-inf"), tl.abs(neg_lse2), 0.0)) < ONE_FMA_MAX_LSE2
+        one_fma = _one_fma_accurate(neg_lse2)
     if HALF_LAST_N and n_tile == n_tiles_n - 1:
         # H is not a multiple of BLOCK_N and its last tile fits in half of one (H = 2816 =
         # 5.5 x 512): that tile runs half as wide instead of multiplying zeros.

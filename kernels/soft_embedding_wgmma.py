@@ -85,7 +85,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from dgemma_sampler.ops import cuda_capability
 
-from .soft_embedding import _grouped_tile, _tile_of_program
+from .soft_embedding import _grouped_tile, _one_fma_accurate, _tile_of_program
 
 # Names that changed between Triton 3.6 and 3.9 (module-level aliases are callable in gluon.jit).
 _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
@@ -170,10 +170,6 @@ def _neg_lse2(lse):
     bits = lse2.to(gl.int32, bitcast=True)
     below = gl.where(lse2 > 0, bits - 1, bits + 1).to(gl.float32, bitcast=True)
     return -gl.where(residual < 0, below, lse2)
-
-
-# |lse * log2(e)| below which the one-FFMA prologue is used (``soft_embedding.ONE_FMA_MAX_LSE2``).
-ONE_FMA_MAX_LSE2 = gl.constexpr(1024.0)
 
 
 @gluon.jit
@@ -373,8 +369,7 @@ def _consumer(WG: gl.constexpr, descs, smem, tile, row_args, out_args,
         if ONE_FMA:
             # Uniform per warpgroup: the one-FFMA loop where it is accurate, the exact one
             # otherwise (greedy rows, |lse| ~ 1e11); two loops in sequence, one of them empty.
-            steep = gl.max(gl.where(neg_lse2 > float("-inf"), gl.abs(neg_lse2), 0.0), 0)
-            n_one = gl.where(steep < ONE_FMA_MAX_LSE2, n_k, 0)
+            n_one = gl.where(_one_fma_accurate(neg_lse2), n_k, 0)
             acc = _k_loop_register_p(WG, WM, e_desc.dtype, smem, 0, n_one, acc, inv_t * LOG2E,
                                      neg_lse2, threshold, x_layout, HAS_THRESHOLD, ROW_PERM, True)
         acc = _k_loop_register_p(WG, WM, e_desc.dtype, smem, n_one, n_k, acc, inv_t, neg_lse2,
@@ -398,8 +393,7 @@ def soft_embedding_wgmma_kernel(
     NORM_IS_TENSOR: gl.constexpr, STAGES: gl.constexpr, SCRATCH_N: gl.constexpr,
     VEC: gl.constexpr, P_SWIZZLE: gl.constexpr, P_IN_REGISTERS: gl.constexpr,
     ROW_PERM: gl.constexpr, ONE_FMA: gl.constexpr, GROUP: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr,
-    LOADER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
 ):
     BM: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
