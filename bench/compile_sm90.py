@@ -17,7 +17,8 @@ of its own and borrow torch and this package from the project's ``.venv``:
 With the project's own interpreter it compiles with the Triton installed there (the CI's:
 ``tests/test_soft_embedding_kernel.py`` runs it).
 
-(``--variant``: a name from ``diag_soft_embedding.VARIANTS``.)
+(``--variant``: a name from ``diag_soft_embedding.VARIANTS``; ``--module``: a file with another
+kernel behind the same interface, e.g. ``bench/proto_shared_p.py``.)
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ def main() -> None:
     ap.add_argument("--site", help="a site-packages that provides torch and dgemma_sampler, "
                     "appended to the path (this interpreter's own packages, triton first, stay ahead)")
     ap.add_argument("--variant", help="a diag_soft_embedding variant instead of the kernel as it is")
+    ap.add_argument("--module", metavar="FILE", help="a drop-in kernel module (soft_embedding._WGMMA's "
+                    "interface) instead of the kernel as it is")
     ap.add_argument("--sass", metavar="DIR", help="also write each specialization's PTX and SASS here")
     ap.add_argument("--dtypes", default="float32,bfloat16,float16", help="logits dtypes to compile")
     args = ap.parse_args()
@@ -76,6 +79,11 @@ def main() -> None:
         sys.path.insert(0, HERE)
         from diag_soft_embedding import load_variant
         wg = load_variant(args.variant)
+    elif args.module:
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("dropin_kernel", args.module)
+        wg = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(wg)
     else:
         from dgemma_sampler.kernels import soft_embedding_wgmma as wg
     from triton.backends.nvidia.compiler import get_ptxas

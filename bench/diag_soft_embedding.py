@@ -42,8 +42,9 @@ SHARED_P_PROLOGUE = """        x = x_bufs.index(stage).slice(WG * WM, WM).load(t
         p_buf.store(p)
         fence_async_shared()
         _cta_barrier()  # in a partition: this warpgroup's named barrier
+        _await_turn(empty, WG, i, PINGPONG)
         acc = warpgroup_mma(p_buf, e_bufs.index(stage), acc, is_async=True)"""
-PLAIN_MMA = "        acc = warpgroup_mma(x_bufs.index(stage).slice(WG * WM, WM), e_bufs.index(stage), acc, is_async=True)"
+PLAIN_MMA = "        _await_turn(empty, WG, i, PINGPONG)\n        acc = warpgroup_mma(x_bufs.index(stage).slice(WG * WM, WM), e_bufs.index(stage), acc, is_async=True)"
 LEAN_EXP = 'p = _exp2_ftz(gl.maximum(d2, float("-inf")))'
 NAN_TO_ZERO_BODY = """    if p.dtype == gl.bfloat16:
         return gl.inline_asm_elementwise("max.bf16x2 $0, $1, $2;", "=r,r,r", [p, gl.zeros_like(p)],
@@ -59,6 +60,11 @@ ONE_FMA_16_ON = (ONE_FMA_16, ONE_FMA_16.replace("return False", "return logits_d
 FENCE = "        fence_async_shared()\n"
 BARRIER = "        _cta_barrier()  # in a partition: this warpgroup's named barrier\n"
 FENCE_BARRIER = FENCE + BARRIER
+PINGPONG = "(``bench/diag_soft_embedding.py --variants base,pingpong``).\"\"\"\n    return False\n"
+PINGPONG_ON = (PINGPONG, PINGPONG.replace("return False", "return True"))
+ACC_ROWS = "acc_rows = gl.arange(0, WM, layout=gl.SliceLayout(1, x_layout))"
+SHARED_P_MAKE = SHARED_P_PROLOGUE.split("        fence_async_shared()")[0]
+EXP_AND_CAST = "    " + EXP + "\n    return _nan_to_zero(p.to(dtype))\n"
 MIXED_EXP = "p = _exp2_mixed(gl.minimum(d2, 0.0, propagate_nan=tl.PropagateNan.ALL))"
 # 2^d for d <= 0 (or -inf / NaN -> 0) by polynomial: t = d + 1.5 * 2^23 rounds d to the
 # integer j (in t's low mantissa bits), f = d - j in [-0.5, 0.5], 2^f by Taylor to degree 5,
@@ -187,6 +193,27 @@ VARIANTS = {
     # 86% of cuBLAS at 32 / 4 / 1 requests (-v20-skeleton.log). So the tiles, the L2 traffic
     # without multicast and the pipeline are not the gap; the prologue is
     "plain": [(P_IN_REGISTERS, "    return False\n"), (SHARED_P_PROLOGUE, PLAIN_MMA)],
+    # the prologue's data path without its arithmetic (timing only): p is the logits tile cast
+    # to the operand dtype, so bf16 logits go by ldmatrix straight into the register operand
+    # and fp32 logits through shared load, cast, p store, fence and barrier. Against plain
+    # (same bytes through shared memory, no ldmatrix, no register operand) and base, this
+    # splits what the register operand and the p handover cost from what the arithmetic costs
+    "nomath": [(EXP_AND_CAST, "    return x.to(dtype)\n")],
+    # fp32 logits (timing only, wrong results; 16-bit logits do not compile): each warpgroup
+    # makes p for half its rows and stores it into both halves of its p buffer, so the
+    # prologue's loads and arithmetic per MMA flop halve while the tiles, the L2 traffic and
+    # the p stores stay. What a tile that shares one p between two N halves (64 x 512, p made
+    # half by each warpgroup) could gain at most, before its extra E traffic
+    "half_p": [(ACC_ROWS, ACC_ROWS.replace("gl.arange(0, WM,", "gl.arange(0, WM // 2,")),
+               (SHARED_P_MAKE, SHARED_P_MAKE.replace(".slice(WG * WM, WM)", ".slice(WG * WM, WM // 2)")
+                .replace("        p_buf.store(p)\n", "        p_buf.slice(0, WM // 2).store(p)\n"
+                         "        p_buf.slice(WM // 2, WM // 2).store(p)\n"))],
+    # the two consumer warpgroups issue their wgmma in turns (soft_embedding_wgmma.pingpong);
+    # the output is unchanged (only the order of issue is), alone and with the one-FFMA loop pair
+    "pingpong": [PINGPONG_ON],
+    "pingpong_one_fma16": [PINGPONG_ON, ONE_FMA_16_ON],
+    "pingpong_one_fma16_noclamp": [PINGPONG_ON, ONE_FMA_16_ON,
+                                   (EXP, "p = _exp2_ftz(d2) if ONE_FMA else " + EXP[4:])],
     # the p-through-shared-memory K loop without its proxy fence, without the warpgroup
     # barrier before the wgmma, or without both (timing only: p may be read before it is
     # written): does the handover of p to the tensor cores hold the next wgmma back? No: fp32

@@ -18,7 +18,9 @@ releases the stage (an mbarrier that counts both warpgroups) once that wgmma is 
 warpgroups synchronise only within themselves (a named barrier of 128 threads), so one's
 prologue runs while the other's wgmma holds the tensor cores; the CTA-wide kernel before
 this one stopped all 8 warps at two CTA barriers per K step (72% vs 75% of cuBLAS from fp32
-logits at 32 requests, ``bench/results/soft_embedding-diag-h200-v11-ws.log``).
+logits at 32 requests, ``bench/results/soft_embedding-diag-h200-v11-ws.log``). Nothing
+keeps the two apart, though, so their wgmma may also finish together and leave the tensor
+cores idle while both make ``p``; ``pingpong`` (off until timed) makes them issue in turns.
 
 How ``p`` reaches the tensor cores depends on the logits dtype (``p_in_registers``):
 
@@ -275,9 +277,27 @@ def _loader(descs, smem, tile):
 
 
 @gluon.jit
+def _await_turn(empty, WG: gl.constexpr, i, PINGPONG: gl.constexpr):
+    """Ping-pong (``pingpong``): warpgroup ``WG`` issues step ``i``'s wgmma only after the other
+    warpgroup has issued its previous one. The two turn mbarriers sit after the stages' own in
+    ``empty``; warpgroup 0's first wait passes on the fresh barrier (parity 1)."""
+    if PINGPONG:
+        STAGES: gl.constexpr = empty.type.shape[0] - 2
+        mbarrier.wait(empty.index(STAGES + WG), (i & 1) ^ (1 - WG))
+
+
+@gluon.jit
+def _pass_turn(empty, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """Ping-pong: this warpgroup's wgmma is issued, the other's turn."""
+    if PINGPONG:
+        STAGES: gl.constexpr = empty.type.shape[0] - 2
+        mbarrier.arrive(empty.index(STAGES + 1 - WG))
+
+
+@gluon.jit
 def _k_loop_shared_p(WG: gl.constexpr, WM: gl.constexpr, e_dtype: gl.constexpr, smem, n_k, acc,
                      inv_t, neg_lse2, threshold, tile_layout: gl.constexpr,
-                     HAS_THRESHOLD: gl.constexpr):
+                     HAS_THRESHOLD: gl.constexpr, PINGPONG: gl.constexpr):
     """``acc += p @ E`` over the K steps, ``p`` handed to the wgmma through shared memory: the
     logits tile read conflict-free in ``tile_layout`` (module docstring), ``p`` stored to this
     warpgroup's p buffers, one wgmma in flight while the next ``p`` is made."""
@@ -292,7 +312,9 @@ def _k_loop_shared_p(WG: gl.constexpr, WM: gl.constexpr, e_dtype: gl.constexpr, 
         p_buf.store(p)
         fence_async_shared()
         _cta_barrier()  # in a partition: this warpgroup's named barrier
+        _await_turn(empty, WG, i, PINGPONG)
         acc = warpgroup_mma(p_buf, e_bufs.index(stage), acc, is_async=True)
+        _pass_turn(empty, WG, PINGPONG)
         # Step i - 1's wgmma, the last reader of its stage and of the other p buffer, is done
         # in this warp ...
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
@@ -306,7 +328,7 @@ def _k_loop_shared_p(WG: gl.constexpr, WM: gl.constexpr, e_dtype: gl.constexpr, 
 def _k_loop_register_p(WG: gl.constexpr, WM: gl.constexpr, e_dtype: gl.constexpr, smem, i_begin,
                        i_end, acc, inv_t, neg_lse2, threshold, a_layout: gl.constexpr,
                        HAS_THRESHOLD: gl.constexpr, ROW_PERM: gl.constexpr,
-                       ONE_FMA: gl.constexpr):
+                       ONE_FMA: gl.constexpr, PINGPONG: gl.constexpr):
     """``acc += p @ E`` over K steps ``[i_begin, i_end)``, ``p`` the wgmma's register operand: the
     logits tile is read straight in the A-operand layout (``ldmatrix`` for 16-bit logits), the
     next ``p`` is made while the wgmma runs, and the wgmma is waited for before its operand
@@ -319,7 +341,9 @@ def _k_loop_register_p(WG: gl.constexpr, WM: gl.constexpr, e_dtype: gl.constexpr
     p = _probabilities(x, inv_t, neg_lse2, threshold, HAS_THRESHOLD, e_dtype, ONE_FMA)
     for i in range(i_begin, i_end):
         stage = i % STAGES
+        _await_turn(empty, WG, i, PINGPONG)
         acc = warpgroup_mma(p, e_bufs.index(stage), acc, is_async=True)
+        _pass_turn(empty, WG, PINGPONG)
         # The next step's p while this wgmma runs (after the last step a stale tile, unused).
         nxt = i + 1
         mbarrier.wait(ready.index(nxt % STAGES), (nxt // STAGES) & 1, pred=nxt < i_end)
@@ -335,7 +359,8 @@ def _k_loop_register_p(WG: gl.constexpr, WM: gl.constexpr, e_dtype: gl.constexpr
 def _consumer(WG: gl.constexpr, descs, smem, tile, row_args, out_args,
               HAS_THRESHOLD: gl.constexpr, HAS_KEEP: gl.constexpr, HAS_OUT_INDEX: gl.constexpr,
               NORM_IS_TENSOR: gl.constexpr, SCRATCH_N: gl.constexpr, VEC: gl.constexpr,
-              P_IN_REGISTERS: gl.constexpr, ROW_PERM: gl.constexpr, ONE_FMA: gl.constexpr):
+              P_IN_REGISTERS: gl.constexpr, ROW_PERM: gl.constexpr, ONE_FMA: gl.constexpr,
+              PINGPONG: gl.constexpr):
     """Consumer warpgroup ``WG`` (4 warps): rows ``[64 WG, 64 WG + 64)`` of the tile, its K
     loop, then its part of the epilogue."""
     x_desc, e_desc = descs
@@ -371,12 +396,13 @@ def _consumer(WG: gl.constexpr, descs, smem, tile, row_args, out_args,
             # otherwise (greedy rows, |lse| ~ 1e11); two loops in sequence, one of them empty.
             n_one = gl.where(_one_fma_accurate(neg_lse2), n_k, 0)
             acc = _k_loop_register_p(WG, WM, e_desc.dtype, smem, 0, n_one, acc, inv_t * LOG2E,
-                                     neg_lse2, threshold, x_layout, HAS_THRESHOLD, ROW_PERM, True)
+                                     neg_lse2, threshold, x_layout, HAS_THRESHOLD, ROW_PERM, True,
+                                     PINGPONG)
         acc = _k_loop_register_p(WG, WM, e_desc.dtype, smem, n_one, n_k, acc, inv_t, neg_lse2,
-                                 threshold, x_layout, HAS_THRESHOLD, ROW_PERM, False)
+                                 threshold, x_layout, HAS_THRESHOLD, ROW_PERM, False, PINGPONG)
     else:
         acc = _k_loop_shared_p(WG, WM, e_desc.dtype, smem, n_k, acc, inv_t, neg_lse2, threshold,
-                               x_layout, HAS_THRESHOLD)
+                               x_layout, HAS_THRESHOLD, PINGPONG)
     _store_acc(acc, row0, WG * WM, col0, piece, pieces, tail_idx, tail_tiles, n_rows, hidden,
                stride_out, norm_ptr, norm_value, out_ptr, out_index_ptr, scratch_ptr, BM,
                HAS_OUT_INDEX, NORM_IS_TENSOR, SCRATCH_N, ROW_PERM)
@@ -392,7 +418,7 @@ def soft_embedding_wgmma_kernel(
     HAS_THRESHOLD: gl.constexpr, HAS_KEEP: gl.constexpr, HAS_OUT_INDEX: gl.constexpr,
     NORM_IS_TENSOR: gl.constexpr, STAGES: gl.constexpr, SCRATCH_N: gl.constexpr,
     VEC: gl.constexpr, P_SWIZZLE: gl.constexpr, P_IN_REGISTERS: gl.constexpr,
-    ROW_PERM: gl.constexpr, ONE_FMA: gl.constexpr, GROUP: gl.constexpr,
+    ROW_PERM: gl.constexpr, ONE_FMA: gl.constexpr, PINGPONG: gl.constexpr, GROUP: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
 ):
     BM: gl.constexpr = x_desc.block_type.shape[0]
@@ -423,10 +449,13 @@ def soft_embedding_wgmma_kernel(
     # two p buffers per consumer warpgroup (unused, and dropped by the compiler, with P_IN_REGISTERS)
     p_bufs = gl.allocate_shared_memory(e_desc.dtype, [4, BM // 2, BK], p_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    # (with PINGPONG two more: the consumer warpgroups' turns to issue, one arrive each)
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES + 2 * PINGPONG, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)  # the loader's expect + the TMA bytes
         mbarrier.init(empty.index(s), count=2)  # one arrive per consumer warpgroup
+    for s in gl.static_range(STAGES, STAGES + 2 * PINGPONG):
+        mbarrier.init(empty.index(s), count=1)
     fence_async_shared()
 
     descs = (x_desc, e_desc)
@@ -439,14 +468,16 @@ def soft_embedding_wgmma_kernel(
     gl.warp_specialize([
         (_consumer, (0, descs, smem, tile, row_args, out_args, HAS_THRESHOLD, HAS_KEEP,  # own warps
                      HAS_OUT_INDEX, NORM_IS_TENSOR, SCRATCH_N, VEC, P_IN_REGISTERS, ROW_PERM,
-                     ONE_FMA)),
+                     ONE_FMA, PINGPONG)),
         (_consumer, (1, descs, smem, tile, row_args, out_args, HAS_THRESHOLD, HAS_KEEP,
                      HAS_OUT_INDEX, NORM_IS_TENSOR, SCRATCH_N, VEC, P_IN_REGISTERS, ROW_PERM,
-                     ONE_FMA)),
+                     ONE_FMA, PINGPONG)),
         (_loader, (descs, smem, tile)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
+        mbarrier.invalidate(empty.index(s))
+    for s in gl.static_range(STAGES, STAGES + 2 * PINGPONG):
         mbarrier.invalidate(empty.index(s))
 
 
@@ -486,6 +517,16 @@ def one_fma(logits_dtype: torch.dtype) -> bool:
     whose rows allow it. Not yet: the same arithmetic in every warpgroup (diagnostic variant
     ``one_fma``) took bf16 logits from 67-79% to 72-86% of cuBLAS, but this loop pair has not
     run on a GPU (``bench/results/soft_embedding-diag-h200-v23-one-fma.log``)."""
+    return False
+
+
+def pingpong(logits_dtype: torch.dtype) -> bool:
+    """Whether the two consumer warpgroups issue their wgmma in turns (warpgroup 0's step i,
+    then 1's, then 0's step i + 1, ...), one waiting on an mbarrier that the other arrives at
+    after each issue, so that one's prologue runs while the other's wgmma holds the tensor
+    cores and their wgmma never finish together (the ping-pong of FlashAttention-3). Only the
+    order of issue changes, never a bit of the output. Off until timed on a GPU
+    (``bench/diag_soft_embedding.py --variants base,pingpong``)."""
     return False
 
 
@@ -532,7 +573,7 @@ def launch(logits, row_request, inv_t, lse, embed_weight, norm_tensor, norm_valu
         STAGES=stages_for(logits.dtype, embed_weight.dtype), SCRATCH_N=BLOCK_N,
         VEC=16 // logits.element_size(), P_SWIZZLE=_p_swizzle(logits.element_size()),
         P_IN_REGISTERS=registers, ROW_PERM=registers and logits.dtype == torch.float32,
-        ONE_FMA=registers and one_fma(logits.dtype),
+        ONE_FMA=registers and one_fma(logits.dtype), PINGPONG=pingpong(logits.dtype),
         GROUP=GROUP_M, CONSUMER_REGS=CONSUMER_REGS,
         LOADER_REGS=LOADER_REGS, num_warps=4,
     )

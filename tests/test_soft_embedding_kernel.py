@@ -743,6 +743,21 @@ def test_gpu_fp32_p_in_registers_changes_no_bit(monkeypatch):
 
 @gpu
 @gpu_only
+@pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16])
+def test_gpu_pingpong_changes_no_bit(monkeypatch, logits_dtype):
+    """The consumer warpgroups issuing their wgmma in turns (``pingpong``, both K loops) only
+    reorders issue: the same bits as without, on whole tiles, the split tail and a threshold."""
+    wg = pytest.importorskip("dgemma_sampler.kernels.soft_embedding_wgmma")
+    case = production_case(32, logits_dtype=logits_dtype, seed=5)
+    threshold = torch.full((case.logits.shape[0],), float("-inf"), device="cuda")
+    threshold[::3] = case.logits[::3].float().topk(40, dim=1).values[:, -1]
+    for case in (case, replace(case, threshold=threshold)):
+        outs = wgmma_outputs_with(monkeypatch, wg, "pingpong", (False, True), case)
+        assert torch.equal(outs[0], outs[1])
+
+
+@gpu
+@gpu_only
 def test_gpu_one_fma_prologue_leaves_greedy_rows_exact(monkeypatch):
     """16-bit logits: the Gluon kernel's one-FFMA prologue (``one_fma``) runs only in warpgroups
     whose rows allow it. A greedy request's rows (T = 0, |lse| ~ 1e11) keep the exact loop, so
@@ -755,6 +770,36 @@ def test_gpu_one_fma_prologue_leaves_greedy_rows_exact(monkeypatch):
     assert torch.equal(got[greedy], exact[greedy])
     assert rel_err(got[~greedy], exact[~greedy].double()) <= 1e-4
     check_gpu(case, got)
+
+
+@gpu
+@gpu_only
+@pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16])
+def test_gpu_shared_p_prototype_matches_the_gluon_kernel(monkeypatch, logits_dtype):
+    """``bench/proto_shared_p.py`` (64 x 512 tiles, one p for both warpgroups, the last N-tile's
+    second half without wgmma) gives the shipped Gluon kernel's output up to the order of the
+    split-K sums: 1 request (split tail), 4 requests with a threshold and half the rows dropped."""
+    wg = pytest.importorskip("dgemma_sampler.kernels.soft_embedding_wgmma")
+    bench = str(Path(__file__).resolve().parents[1] / "bench")
+    sys.path.insert(0, bench)
+    try:
+        proto = importlib.import_module("proto_shared_p")
+    finally:
+        sys.path.remove(bench)
+    one = production_case(1, logits_dtype=logits_dtype, seed=3)
+    four = production_case(4, logits_dtype=logits_dtype, seed=4)
+    threshold = torch.full((four.logits.shape[0],), float("-inf"), device="cuda")
+    threshold[::3] = four.logits[::3].float().topk(40, dim=1).values[:, -1]
+    keep = torch.rand(four.logits.shape[0], device="cuda") < 0.5
+    for case, keep in ((one, None), (replace(four, threshold=threshold), keep)):
+        outs = []
+        for module in (wg, proto):
+            monkeypatch.setattr(se, "_WGMMA", module)
+            out = torch.full((case.logits.shape[0], HIDDEN), POISON, device="cuda")
+            se.soft_embedding_rows(*case.args(), keep=keep, out=out, wgmma=True, **case.kwargs())
+            outs.append(out)
+        assert rel_err(outs[1], outs[0].double()) <= 1e-5
+        check_gpu(case, outs[1], keep=keep)
 
 
 def test_diagnostic_variants_still_match_the_gluon_kernel():
@@ -773,15 +818,17 @@ def test_diagnostic_variants_still_match_the_gluon_kernel():
         assert callable(module.launch), name
 
 
-def test_gluon_kernel_compiles_for_sm90_without_spills():
-    """The Hopper kernel compiles for sm_90 with the Triton installed here (in CI the latest
-    release; the device runs 3.6), each fp32 / bf16 specialization without register spills
-    (``bench/compile_sm90.py``: a stand-in driver, no GPU)."""
+@pytest.mark.parametrize("module", [None, "proto_shared_p.py"])
+def test_gluon_kernel_compiles_for_sm90_without_spills(module):
+    """The Hopper kernel (and the shared-p prototype in ``bench/``) compiles for sm_90 with the
+    Triton installed here (in CI the latest release; the device runs 3.6), each fp32 / bf16
+    specialization without register spills (``bench/compile_sm90.py``: a stand-in driver, no GPU)."""
     pytest.importorskip("dgemma_sampler.kernels.soft_embedding_wgmma")
-    script = Path(__file__).resolve().parents[1] / "bench" / "compile_sm90.py"
+    bench = Path(__file__).resolve().parents[1] / "bench"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, str(script), "--dtypes", "float32,bfloat16"], env=env,
-                         capture_output=True, text=True, timeout=600)
+    extra = ["--module", str(bench / module)] if module else []
+    run = subprocess.run([sys.executable, str(bench / "compile_sm90.py"), "--dtypes", "float32,bfloat16",
+                          *extra], env=env, capture_output=True, text=True, timeout=600)
     report = [line for line in run.stdout.splitlines() if " shared " in line]
     assert run.returncode == 0 and len(report) == 4, run.stdout[-2000:] + run.stderr[-2000:]
     for line in report:
