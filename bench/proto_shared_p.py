@@ -17,8 +17,8 @@ Buffers and barriers, per stage ``s``: ``ready[s]`` (the loader's expect + TMA b
 ``empty[s]`` (count 2: both warpgroups' wgmma of that step are done). Per p buffer ``b``
 (two, step ``i`` uses ``i % 2``): ``p_ready[b]`` (count 2: both halves stored) and
 ``p_free[b]`` (count 2: both warpgroups' wgmma that read it are done). H = 2816 = 5.5 x 512:
-in the last N-tile the second half lies outside, its E box reads as zeros, and that
-warpgroup makes its half of ``p`` without issuing a wgmma (the loop without MMA).
+in the last N-tile the second half lies outside: that warpgroup makes its half of ``p``
+without issuing a wgmma (the loop without MMA).
 
 The module is a drop-in for ``soft_embedding._WGMMA`` (``BLOCK_*``, ``NUM_WARPS``,
 ``stages_for``, ``supported``, ``launch``): the same schedule (``plan_split`` with these
@@ -68,13 +68,18 @@ supported = shipped.supported
 @gluon.jit
 def _loader(descs, smem, tile):
     """The TMA warp: step ``i``'s logits tile and both E halves into stage ``i % STAGES`` once
-    both warpgroups are done with its previous use. An E half past H reads as zeros."""
+    both warpgroups are done with its previous use. A second half wholly past H (the last
+    N-tile, whose warpgroup issues no wgmma) loads the first half's box again, from L2: the
+    stage's expected bytes stay fixed without counting on a box that lies entirely out of
+    bounds to complete its transaction."""
     x_desc, e_desc = descs
     x_bufs, e_bufs, p_bufs, ready, empty, p_ready, p_free = smem
     row0, col0, kb_begin, n_k, piece, pieces, tail_idx, tail_tiles = tile
     STAGES: gl.constexpr = x_bufs.type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     HN: gl.constexpr = e_desc.block_type.shape[1]
+    hidden = e_desc.shape[1]
+    col1 = gl.where(col0 + HN < hidden, col0 + HN, col0)
     for i in range(n_k):
         stage = i % STAGES
         mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
@@ -83,7 +88,7 @@ def _loader(descs, smem, tile):
         kb = kb_begin + i
         _tma_load(x_desc, [row0, kb * BK], bar, x_bufs.index(stage))
         _tma_load(e_desc, [kb * BK, col0], bar, e_bufs.index(2 * stage))
-        _tma_load(e_desc, [kb * BK, col0 + HN], bar, e_bufs.index(2 * stage + 1))
+        _tma_load(e_desc, [kb * BK, col1], bar, e_bufs.index(2 * stage + 1))
 
 
 @gluon.jit
