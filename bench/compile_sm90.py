@@ -12,7 +12,7 @@ of its own and borrow torch and this package from the project's ``.venv``:
 
     python3 -m venv /tmp/t36 && /tmp/t36/bin/pip install --no-deps triton==3.6.0
     /tmp/t36/bin/python bench/compile_sm90.py --site .venv/lib/python3.11/site-packages \\
-        [--variant noexp] [--sass /tmp/sass]
+        [--variant noexp | --module bench/proto_shared_p.py] [--sass /tmp/sass] [--loops]
 
 With the project's own interpreter it compiles with the Triton installed there (the CI's:
 ``tests/test_soft_embedding_kernel.py`` runs it).
@@ -33,6 +33,25 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+def mma_loop_lengths(sass: str) -> list[int]:
+    """Instruction counts of the innermost loops (a backward branch and its target) that hold
+    an HGMMA, in address order: the consumer warpgroups' K loops (one per warpgroup and loop)."""
+    import re
+
+    ins = [(int(m.group(1), 16), m.group(2)) for m in
+           re.finditer(r"/\*([0-9a-f]{4,6})\*/\s+([^;]*);", sass)]
+    mma = [a for a, text in ins if "HGMMA" in text]
+    loops = set()
+    for a, text in ins:
+        m = re.search(r"BRA\s+(?:\S+\s+)?0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < a and any(int(m.group(1), 16) <= h <= a for h in mma):
+            loops.add((int(m.group(1), 16), a))
+    # a range that contains or overlaps a shorter one is not an innermost loop
+    inner = sorted(l for l in loops if not any(
+        o != l and o[1] - o[0] < l[1] - l[0] and o[0] <= l[1] and l[0] <= o[1] for o in loops))
+    return [sum(1 for a, _ in ins if lo <= a <= hi) for lo, hi in inner]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--site", help="a site-packages that provides torch and dgemma_sampler, "
@@ -41,6 +60,9 @@ def main() -> None:
     ap.add_argument("--module", metavar="FILE", help="a drop-in kernel module (soft_embedding._WGMMA's "
                     "interface) instead of the kernel as it is")
     ap.add_argument("--sass", metavar="DIR", help="also write each specialization's PTX and SASS here")
+    ap.add_argument("--loops", action="store_true", help="also print the SASS instruction count "
+                    "of each innermost loop that issues a wgmma (the consumer warpgroups' K loops: "
+                    "instructions per warp and K step)")
     ap.add_argument("--dtypes", default="float32,bfloat16,float16", help="logits dtypes to compile")
     args = ap.parse_args()
     if args.site:
@@ -116,10 +138,13 @@ def main() -> None:
                 print(f"{name:20s} shared {kernel.metadata.shared} B | " + " | ".join(lines))
                 failed |= report.returncode != 0
                 cuobjdump = os.path.join(os.path.dirname(ptxas), "cuobjdump")
-                if args.sass and report.returncode == 0 and os.path.exists(cuobjdump):
-                    os.makedirs(args.sass, exist_ok=True)
+                if (args.sass or args.loops) and report.returncode == 0 and os.path.exists(cuobjdump):
                     sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True,
                                           text=True).stdout
+                if args.loops and report.returncode == 0 and os.path.exists(cuobjdump):
+                    print(f"{'':20s} wgmma loops: instructions {mma_loop_lengths(sass)}")
+                if args.sass and report.returncode == 0 and os.path.exists(cuobjdump):
+                    os.makedirs(args.sass, exist_ok=True)
                     for ext, text in (("ptx", kernel.asm["ptx"]), ("sass", sass)):
                         with open(os.path.join(args.sass, f"{name}.{ext}"), "w") as f:
                             f.write(text)
