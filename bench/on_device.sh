@@ -8,6 +8,8 @@
 # installed: the first call links kernels/ to where it installs (dgemma_sampler.kernels,
 # pyproject.toml's package-dir) and puts the root on PYTHONPATH. The command runs in bench/,
 # where the benchmark scripts import each other. Its exit status is this script's.
+# LIMIT=seconds stops the command after that long (124 then), so that a kernel that hangs (a
+# new pipeline's barriers, say) costs that much device time and not the whole call.
 set -uo pipefail
 name=$1
 shift
@@ -20,4 +22,4 @@ v = lambda s: '.'.join(s.split('+')[0].split('.')[:2])
 name = torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU (no CUDA device)'
 print(f'{name} (torch {v(torch.__version__)}, triton {v(triton.__version__)})')")
 echo "# $card, $(date +%F). Command: cd bench && $*" > "$log"
-cd "$root/bench" && "$@" 2>&1 | tee -a "$log"
+cd "$root/bench" && timeout -k 10 "${LIMIT:-0}" "$@" 2>&1 | tee -a "$log"
