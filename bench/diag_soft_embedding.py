@@ -246,6 +246,22 @@ def load_variant(name: str):
     return module
 
 
+def bench_ms(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+
+
+def time_kernel_module(module, logits: torch.Tensor, x: dict, out: torch.Tensor) -> float:
+    """Milliseconds of ``soft_embedding_rows`` on the benchmark's inputs ``x`` with ``module`` as
+    its Gluon kernel (``soft_embedding._WGMMA``), after one run to compile; raises what the
+    launch raises (a variant that does not compile, say)."""
+    se._WGMMA = module
+    fn = lambda: se.soft_embedding_rows(logits, x["row_request"], x["temperature"], x["lse"],
+                                        x["embed"], x["normalizer"], out=out, wgmma=True)
+    fn()
+    torch.cuda.synchronize()
+    return bench_ms(fn)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=32)
@@ -255,22 +271,15 @@ def main() -> None:
     x = make_inputs(args.requests, VOCAB, HIDDEN)
     out = x["out"]
     gemm_out = torch.empty(out.shape, device="cuda", dtype=torch.bfloat16)
-    bench = lambda fn: triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
-    cublas = bench(lambda: torch.mm(x["probs"], x["embed"], out=gemm_out))
+    cublas = bench_ms(lambda: torch.mm(x["probs"], x["embed"], out=gemm_out))
     print(f"cuBLAS {cublas:.3f} ms", flush=True)
     results = dict(requests=args.requests, cublas_ms=cublas, variants={})
     reference_out = None
     for name in args.variants.split(","):
         module = load_variant(name)
-        se._WGMMA = module
         for dname, logits in (("fp32", x["logits"]), ("bf16", x["logits_bf16"])):
-            fn = lambda: se.soft_embedding_rows(logits, x["row_request"], x["temperature"],
-                                                x["lse"], x["embed"], x["normalizer"], out=out,
-                                                wgmma=True)
             try:
-                fn()
-                torch.cuda.synchronize()
-                ms = bench(fn)
+                ms = time_kernel_module(module, logits, x, out)
             except Exception as exc:  # a variant that does not compile is reported, not fatal
                 print(f"{name:22s} {dname}: failed {type(exc).__name__}: {str(exc)[:300]}", flush=True)
                 continue

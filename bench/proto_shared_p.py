@@ -41,7 +41,6 @@ against the shipped kernel on the GPU.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
 
@@ -50,18 +49,15 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
                                                               warpgroup_mma, warpgroup_mma_wait)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from dgemma_sampler.kernels import soft_embedding_wgmma as shipped
-from dgemma_sampler.kernels.soft_embedding import _grouped_tile, _tile_of_program
 from dgemma_sampler.kernels.soft_embedding_wgmma import (_cta_barrier, _probabilities,
-                                                         _row_constants, _store_acc, _tma_load)
+                                                         _program_tile, _row_constants, _store_acc,
+                                                         _tma_load)
 
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 512, 64
 HALF_N = BLOCK_N // 2  # one consumer warpgroup's columns, one E box (TMA boxes are <= 256 wide)
 NUM_WARPS = 8
-CONSUMER_REGS, LOADER_REGS = shipped.CONSUMER_REGS, shipped.LOADER_REGS
-GROUP_M = shipped.GROUP_M
 supported = shipped.supported
 
 
@@ -173,19 +169,9 @@ def shared_p_kernel(
     BK: gl.constexpr = x_desc.block_type.shape[1]
     HN: gl.constexpr = e_desc.block_type.shape[1]
 
-    m_tile, n_tile, tail_idx, piece, pieces = _tile_of_program(
-        gl.program_id(0), n_tiles_n, dp_head, tail_tiles, split)
-    k_blocks = gl.cdiv(v_local, BK)
-    kb_begin = piece * k_blocks // pieces
-    kb_end = (piece + 1) * k_blocks // pieces
-    m_tile, n_tile = _grouped_tile(m_tile, n_tile, dp_head, n_tiles_n, GROUP)
-    row0 = m_tile * BM
+    row0, n_tile, kb_begin, n_k, piece, pieces, tail_idx = _program_tile(
+        n_rows, v_local, keep_ptr, n_tiles_n, dp_head, tail_tiles, split, BM, BK, GROUP, HAS_KEEP)
     col0 = n_tile * (2 * HN)
-    rows = row0 + gl.arange(0, BM, layout=gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))
-    live = rows < n_rows
-    if HAS_KEEP:
-        live = live & (gl.load(keep_ptr + rows, mask=live, other=0) != 0)
-    n_k = gl.where(gl.max(live.to(gl.int32), 0) > 0, kb_end - kb_begin, 0)
 
     x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK], x_desc.layout)
     e_bufs = gl.allocate_shared_memory(e_desc.dtype, [2 * STAGES, BK, HN], e_desc.layout)
@@ -230,45 +216,22 @@ def stages_for(logits_dtype: torch.dtype, embed_dtype: torch.dtype, smem_bytes: 
     return max(2, min(6, (smem_bytes - p_bytes - 1024) // per_stage))
 
 
-@functools.lru_cache(maxsize=None)
-def _tile_layouts(x_dtype, e_dtype, block_k):
-    return (gl.NVMMASharedLayout.get_default_for([BLOCK_M, block_k], x_dtype),
-            gl.NVMMASharedLayout.get_default_for([block_k, HALF_N], e_dtype))
-
-
 def launch(logits, row_request, inv_t, lse, embed_weight, norm_tensor, norm_value, out, *,
            keep, threshold, out_index, vocab_start, plan, scratch, placeholder):
     """``soft_embedding_wgmma.launch``'s contract, with 64 x 512 tiles."""
     assert plan.block_m == BLOCK_M and plan.block_n == BLOCK_N, plan
-    n_rows = logits.shape[0]
-    v_local, hidden = embed_weight.shape
-    x_dtype = getattr(gl, {torch.float32: "float32", torch.bfloat16: "bfloat16",
-                           torch.float16: "float16"}[logits.dtype])
-    e_dtype = gl.bfloat16 if embed_weight.dtype == torch.bfloat16 else gl.float16
-    local = logits[:, vocab_start:vocab_start + v_local]
-    x_layout, e_layout = _tile_layouts(x_dtype, e_dtype, BLOCK_K)
-    x_desc = TensorDescriptor(local, [n_rows, v_local], [logits.stride(0), 1], [BLOCK_M, BLOCK_K], x_layout)
-    e_desc = TensorDescriptor(embed_weight, [v_local, hidden], [embed_weight.stride(0), 1],
-                              [BLOCK_K, HALF_N], e_layout)
+    descs = shipped.tile_descriptors(logits, embed_weight, vocab_start, (BLOCK_M, BLOCK_K),
+                                     (BLOCK_K, HALF_N))
+    args, constexprs = shipped.launch_arguments(
+        logits, row_request, inv_t, lse, embed_weight, norm_tensor, norm_value, out, keep=keep,
+        threshold=threshold, out_index=out_index, plan=plan, scratch=scratch, placeholder=placeholder)
     return shared_p_kernel[(plan.programs,)](
-        x_desc, e_desc, row_request, inv_t, lse,
-        placeholder if threshold is None else threshold,
-        placeholder if keep is None else keep,
-        placeholder if norm_tensor is None else norm_tensor,
-        out, placeholder if out_index is None else out_index, scratch,
-        n_rows, v_local, hidden, out.stride(0), norm_value,
-        plan.n_tiles_n, plan.dp_head, plan.tail_tiles, plan.split,
-        HAS_THRESHOLD=threshold is not None, HAS_KEEP=keep is not None,
-        HAS_OUT_INDEX=out_index is not None, NORM_IS_TENSOR=norm_tensor is not None,
-        STAGES=stages_for(logits.dtype, embed_weight.dtype), VEC=16 // logits.element_size(),
-        GROUP=GROUP_M, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4,
-    )
+        *descs, *args, **constexprs, STAGES=stages_for(logits.dtype, embed_weight.dtype))
 
 
 def main() -> None:
-    import triton.testing
-
     from bench_soft_embedding import make_inputs  # this script's folder
+    from diag_soft_embedding import bench_ms, time_kernel_module
     from dgemma_sampler.kernels import soft_embedding as se
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -280,28 +243,23 @@ def main() -> None:
     BLOCK_K = args.block_k
     x = make_inputs(args.requests, 262144, 2816)
     out = x["out"]
-    bench = lambda fn: triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
     gemm_out = torch.empty(out.shape, device="cuda", dtype=torch.bfloat16)
-    cublas = bench(lambda: torch.mm(x["probs"], x["embed"], out=gemm_out))
+    cublas = bench_ms(lambda: torch.mm(x["probs"], x["embed"], out=gemm_out))
     print(f"requests {args.requests}, BLOCK_K {BLOCK_K}: cuBLAS {cublas:.3f} ms", flush=True)
     results = dict(requests=args.requests, block_k=BLOCK_K, cublas_ms=cublas, runs={})
     this = sys.modules[__name__]
     for dname, logits in (("fp32", x["logits"]), ("bf16", x["logits_bf16"])):
+        reference_out = None
         for name, module in (("shipped", shipped), ("shared_p", this)):
-            se._WGMMA = module
-            fn = lambda: se.soft_embedding_rows(logits, x["row_request"], x["temperature"],
-                                                x["lse"], x["embed"], x["normalizer"], out=out,
-                                                wgmma=True)
             try:
-                fn()
-                torch.cuda.synchronize()
-                ms = bench(fn)
+                ms = time_kernel_module(module, logits, x, out)
             except Exception as exc:  # reported, not fatal: the next one still runs
                 print(f"{name:9s} {dname}: failed {type(exc).__name__}: {str(exc)[:300]}", flush=True)
                 continue
             if name == "shipped":
                 reference_out = out.clone()
-            diff = ((out - reference_out).abs().max() / reference_out.abs().max()).item()
+            diff = (((out - reference_out).abs().max() / reference_out.abs().max()).item()
+                    if reference_out is not None else float("nan"))
             regs = getattr(se._last_kernel, "n_regs", None)
             results["runs"][f"{name} {dname}"] = dict(ms=ms, vs_cublas=cublas / ms, rel_diff=diff, regs=regs)
             print(f"{name:9s} {dname}: {ms:7.3f} ms ({cublas / ms:4.0%} of cuBLAS) regs {regs} "

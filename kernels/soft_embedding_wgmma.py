@@ -409,6 +409,31 @@ def _consumer(WG: gl.constexpr, descs, smem, tile, row_args, out_args,
 
 
 @gluon.jit
+def _program_tile(n_rows, v_local, keep_ptr, n_tiles_n, dp_head, tail_tiles, split,
+                  BM: gl.constexpr, BK: gl.constexpr, GROUP: gl.constexpr, HAS_KEEP: gl.constexpr):
+    """This program's share of ``soft_embedding.plan_split``'s schedule: ``(row0, n_tile,
+    kb_begin, n_k, piece, pieces, tail_idx)``, the tile's first row, its N-tile, and the
+    ``n_k`` K blocks from ``kb_begin`` (0 when every row of the tile is dropped, so that the
+    tile skips its K loop; every partition sees the same n_k)."""
+    m_tile, n_tile, tail_idx, piece, pieces = _tile_of_program(
+        gl.program_id(0), n_tiles_n, dp_head, tail_tiles, split)
+    k_blocks = gl.cdiv(v_local, BK)
+    kb_begin = piece * k_blocks // pieces
+    kb_end = (piece + 1) * k_blocks // pieces
+    # Which programs run side by side changes what the L2 serves them: from bf16 logits at 32
+    # requests 72-75% -> 78-79% of cuBLAS with groups of 2 to 12, fp32 unchanged up to 6 and
+    # slower at 12 (soft_embedding-diag-h200-v17-order.log, -v18-order-ab.log).
+    m_tile, n_tile = _grouped_tile(m_tile, n_tile, dp_head, n_tiles_n, GROUP)
+    row0 = m_tile * BM
+    rows = row0 + gl.arange(0, BM, layout=gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))
+    live = rows < n_rows
+    if HAS_KEEP:
+        live = live & (gl.load(keep_ptr + rows, mask=live, other=0) != 0)
+    n_k = gl.where(gl.max(live.to(gl.int32), 0) > 0, kb_end - kb_begin, 0)
+    return row0, n_tile, kb_begin, n_k, piece, pieces, tail_idx
+
+
+@gluon.jit
 def soft_embedding_wgmma_kernel(
     x_desc, e_desc,                               # TMA: local logits [N, V_local], E [V_local, H]
     row_request_ptr, inv_t_ptr, lse_ptr, threshold_ptr, keep_ptr,
@@ -425,23 +450,9 @@ def soft_embedding_wgmma_kernel(
     BK: gl.constexpr = x_desc.block_type.shape[1]
     BN: gl.constexpr = e_desc.block_type.shape[1]
 
-    m_tile, n_tile, tail_idx, piece, pieces = _tile_of_program(
-        gl.program_id(0), n_tiles_n, dp_head, tail_tiles, split)
-    k_blocks = gl.cdiv(v_local, BK)
-    kb_begin = piece * k_blocks // pieces
-    kb_end = (piece + 1) * k_blocks // pieces
-    # Which programs run side by side changes what the L2 serves them: from bf16 logits at 32
-    # requests 72-75% -> 78-79% of cuBLAS with groups of 2 to 12, fp32 unchanged up to 6 and
-    # slower at 12 (soft_embedding-diag-h200-v17-order.log, -v18-order-ab.log).
-    m_tile, n_tile = _grouped_tile(m_tile, n_tile, dp_head, n_tiles_n, GROUP)
-    row0 = m_tile * BM
+    row0, n_tile, kb_begin, n_k, piece, pieces, tail_idx = _program_tile(
+        n_rows, v_local, keep_ptr, n_tiles_n, dp_head, tail_tiles, split, BM, BK, GROUP, HAS_KEEP)
     col0 = n_tile * BN
-    # An all-dropped tile skips its K loop (every partition sees the same n_k).
-    rows = row0 + gl.arange(0, BM, layout=gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))
-    live = rows < n_rows
-    if HAS_KEEP:
-        live = live & (gl.load(keep_ptr + rows, mask=live, other=0) != 0)
-    n_k = gl.where(gl.max(live.to(gl.int32), 0) > 0, kb_end - kb_begin, 0)
 
     x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK], x_desc.layout)
     e_bufs = gl.allocate_shared_memory(e_desc.dtype, [STAGES, BK, BN], e_desc.layout)
@@ -539,41 +550,57 @@ def stages_for(logits_dtype: torch.dtype, embed_dtype: torch.dtype, smem_bytes: 
 
 
 @functools.lru_cache(maxsize=None)
-def _tile_layouts(x_dtype, e_dtype):
-    """Shared-memory layouts of the logits and E tiles the descriptors load (built once: the
-    two ``get_default_for`` calls take ~20 us of host time per launch on the H200 host)."""
-    return (gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], x_dtype),
-            gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], e_dtype))
+def _tile_layouts(x_dtype: torch.dtype, e_dtype: torch.dtype, x_box: tuple, e_box: tuple):
+    """Shared-memory layouts of the logits and E tiles the descriptors load (built once per
+    dtypes and boxes: the two ``get_default_for`` calls take ~20 us of host time per launch on
+    the H200 host)."""
+    gl_dtype = lambda dtype: getattr(gl, str(dtype).removeprefix("torch."))
+    return (gl.NVMMASharedLayout.get_default_for(list(x_box), gl_dtype(x_dtype)),
+            gl.NVMMASharedLayout.get_default_for(list(e_box), gl_dtype(e_dtype)))
+
+
+def tile_descriptors(logits, embed_weight, vocab_start: int, x_box: tuple, e_box: tuple):
+    """TMA descriptors of the local logits slice ``[N, V_local]`` and of E ``[V_local, H]``,
+    loading boxes of ``x_box`` and ``e_box``."""
+    n_rows = logits.shape[0]
+    v_local, hidden = embed_weight.shape
+    local = logits[:, vocab_start:vocab_start + v_local]
+    x_layout, e_layout = _tile_layouts(logits.dtype, embed_weight.dtype, x_box, e_box)
+    return (TensorDescriptor(local, [n_rows, v_local], [logits.stride(0), 1], list(x_box), x_layout),
+            TensorDescriptor(embed_weight, [v_local, hidden], [embed_weight.stride(0), 1],
+                             list(e_box), e_layout))
+
+
+def launch_arguments(logits, row_request, inv_t, lse, embed_weight, norm_tensor, norm_value, out,
+                     *, keep, threshold, out_index, plan, scratch, placeholder):
+    """The runtime arguments after the two descriptors, and the constexprs, that every Gluon
+    soft-embedding kernel of this schedule takes (this file's and ``bench/proto_shared_p.py``'s)."""
+    args = (row_request, inv_t, lse,
+            placeholder if threshold is None else threshold,
+            placeholder if keep is None else keep,
+            placeholder if norm_tensor is None else norm_tensor,
+            out, placeholder if out_index is None else out_index, scratch,
+            logits.shape[0], embed_weight.shape[0], embed_weight.shape[1], out.stride(0), norm_value,
+            plan.n_tiles_n, plan.dp_head, plan.tail_tiles, plan.split)
+    constexprs = dict(HAS_THRESHOLD=threshold is not None, HAS_KEEP=keep is not None,
+                      HAS_OUT_INDEX=out_index is not None, NORM_IS_TENSOR=norm_tensor is not None,
+                      VEC=16 // logits.element_size(), GROUP=GROUP_M, CONSUMER_REGS=CONSUMER_REGS,
+                      LOADER_REGS=LOADER_REGS, num_warps=4)
+    return args, constexprs
 
 
 def launch(logits, row_request, inv_t, lse, embed_weight, norm_tensor, norm_value, out, *,
            keep, threshold, out_index, vocab_start, plan, scratch, placeholder):
     """Launch for one call of ``soft_embedding.soft_embedding_rows`` (inputs checked there)."""
-    n_rows = logits.shape[0]
-    v_local, hidden = embed_weight.shape
-    x_dtype = getattr(gl, {torch.float32: "float32", torch.bfloat16: "bfloat16",
-                           torch.float16: "float16"}[logits.dtype])
-    e_dtype = gl.bfloat16 if embed_weight.dtype == torch.bfloat16 else gl.float16
-    local = logits[:, vocab_start:vocab_start + v_local]
-    x_layout, e_layout = _tile_layouts(x_dtype, e_dtype)
+    descs = tile_descriptors(logits, embed_weight, vocab_start, (BLOCK_M, BLOCK_K), (BLOCK_K, BLOCK_N))
+    args, constexprs = launch_arguments(
+        logits, row_request, inv_t, lse, embed_weight, norm_tensor, norm_value, out, keep=keep,
+        threshold=threshold, out_index=out_index, plan=plan, scratch=scratch, placeholder=placeholder)
     registers = p_in_registers(logits.dtype)
-    x_desc = TensorDescriptor(local, [n_rows, v_local], [logits.stride(0), 1], [BLOCK_M, BLOCK_K], x_layout)
-    e_desc = TensorDescriptor(embed_weight, [v_local, hidden], [embed_weight.stride(0), 1],
-                              [BLOCK_K, BLOCK_N], e_layout)
     return soft_embedding_wgmma_kernel[(plan.programs,)](
-        x_desc, e_desc, row_request, inv_t, lse,
-        placeholder if threshold is None else threshold,
-        placeholder if keep is None else keep,
-        placeholder if norm_tensor is None else norm_tensor,
-        out, placeholder if out_index is None else out_index, scratch,
-        n_rows, v_local, hidden, out.stride(0), norm_value,
-        plan.n_tiles_n, plan.dp_head, plan.tail_tiles, plan.split,
-        HAS_THRESHOLD=threshold is not None, HAS_KEEP=keep is not None,
-        HAS_OUT_INDEX=out_index is not None, NORM_IS_TENSOR=norm_tensor is not None,
+        *descs, *args, **constexprs,
         STAGES=stages_for(logits.dtype, embed_weight.dtype), SCRATCH_N=BLOCK_N,
-        VEC=16 // logits.element_size(), P_SWIZZLE=_p_swizzle(logits.element_size()),
+        P_SWIZZLE=_p_swizzle(logits.element_size()),
         P_IN_REGISTERS=registers, ROW_PERM=registers and logits.dtype == torch.float32,
         ONE_FMA=registers and one_fma(logits.dtype), PINGPONG=pingpong(logits.dtype),
-        GROUP=GROUP_M, CONSUMER_REGS=CONSUMER_REGS,
-        LOADER_REGS=LOADER_REGS, num_warps=4,
     )

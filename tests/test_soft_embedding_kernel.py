@@ -714,6 +714,23 @@ def test_gpu_wgmma_kernel_matches_the_triton_kernel(requests, logits_dtype):
     assert torch.equal(torch.nan_to_num(again, 7.0), torch.nan_to_num(got, 7.0)), "not deterministic"
 
 
+def bench_module(name: str):
+    """A script of ``bench/`` imported as a module (the folder on the path only meanwhile)."""
+    bench = str(Path(__file__).resolve().parents[1] / "bench")
+    sys.path.insert(0, bench)
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(bench)
+
+
+def top_k_threshold_every_third_row(logits: torch.Tensor) -> torch.Tensor:
+    """A top-40 threshold on every third row, -inf (none) on the others."""
+    threshold = torch.full((logits.shape[0],), float("-inf"), device=logits.device)
+    threshold[::3] = logits[::3].float().topk(40, dim=1).values[:, -1]
+    return threshold
+
+
 def wgmma_outputs_with(monkeypatch, module, switch, values, case) -> list[torch.Tensor]:
     """The Gluon kernel's outputs on ``case`` with ``module.<switch>`` (a function of the logits
     dtype that picks a K loop) answering each of ``values`` in turn."""
@@ -749,9 +766,7 @@ def test_gpu_pingpong_changes_no_bit(monkeypatch, logits_dtype):
     reorders issue: the same bits as without, on whole tiles, the split tail and a threshold."""
     wg = pytest.importorskip("dgemma_sampler.kernels.soft_embedding_wgmma")
     case = production_case(32, logits_dtype=logits_dtype, seed=5)
-    threshold = torch.full((case.logits.shape[0],), float("-inf"), device="cuda")
-    threshold[::3] = case.logits[::3].float().topk(40, dim=1).values[:, -1]
-    for case in (case, replace(case, threshold=threshold)):
+    for case in (case, replace(case, threshold=top_k_threshold_every_third_row(case.logits))):
         outs = wgmma_outputs_with(monkeypatch, wg, "pingpong", (False, True), case)
         assert torch.equal(outs[0], outs[1])
 
@@ -780,18 +795,12 @@ def test_gpu_shared_p_prototype_matches_the_gluon_kernel(monkeypatch, logits_dty
     second half without wgmma) gives the shipped Gluon kernel's output up to the order of the
     split-K sums: 1 request (split tail), 4 requests with a threshold and half the rows dropped."""
     wg = pytest.importorskip("dgemma_sampler.kernels.soft_embedding_wgmma")
-    bench = str(Path(__file__).resolve().parents[1] / "bench")
-    sys.path.insert(0, bench)
-    try:
-        proto = importlib.import_module("proto_shared_p")
-    finally:
-        sys.path.remove(bench)
+    proto = bench_module("proto_shared_p")
     one = production_case(1, logits_dtype=logits_dtype, seed=3)
     four = production_case(4, logits_dtype=logits_dtype, seed=4)
-    threshold = torch.full((four.logits.shape[0],), float("-inf"), device="cuda")
-    threshold[::3] = four.logits[::3].float().topk(40, dim=1).values[:, -1]
+    four = replace(four, threshold=top_k_threshold_every_third_row(four.logits))
     keep = torch.rand(four.logits.shape[0], device="cuda") < 0.5
-    for case, keep in ((one, None), (replace(four, threshold=threshold), keep)):
+    for case, keep in ((one, None), (four, keep)):
         outs = []
         for module in (wg, proto):
             monkeypatch.setattr(se, "_WGMMA", module)
@@ -807,12 +816,7 @@ def test_diagnostic_variants_still_match_the_gluon_kernel():
     text substitution; ``load_variant`` asserts that every substituted text is still there (a
     variant that no longer matched would time the unchanged kernel under its name)."""
     pytest.importorskip("dgemma_sampler.kernels.soft_embedding_wgmma")
-    bench = str(Path(__file__).resolve().parents[1] / "bench")
-    sys.path.insert(0, bench)
-    try:
-        diag = importlib.import_module("diag_soft_embedding")
-    finally:
-        sys.path.remove(bench)
+    diag = bench_module("diag_soft_embedding")
     for name in diag.VARIANTS:
         module = diag.load_variant(name)
         assert callable(module.launch), name
