@@ -3,6 +3,7 @@
     python bench/bench_row_stats.py [--out bench/results/bench_row_stats.json] [--quick]
     python bench/bench_row_stats.py --alternate 3     # only the top-k/top-p ratio, 3 rounds
     python bench/bench_row_stats.py --few-rows        # walk and TMA depth at 1..32 requests
+    python bench/bench_row_stats.py --few-rows --parts  # the split walk at 1..32 requests
 
 Times ``kernels.row_stats.row_stats_rows`` (sampling on) at 1/4/16/32 requests x 256 canvas
 positions x 262144 vocabulary, fp32 and bf16 logits, with and without top-k/top-p, with
@@ -74,6 +75,9 @@ SEARCH_SWEEP_1REQ = SEARCH_SWEEP[:2]
 # flight in shared memory)
 FEW_ROWS_REQUESTS = (1, 2, 4, 8, 16, 32)
 FEW_ROWS_SWEEP = [dict(tma=False)] + [dict(tma=True, tma_stages=s) for s in (2, 3, 4, 6)]
+# --few-rows --parts: the split walk, 32 / 16 / 8 / 4 sampling blocks per part (2 / 4 / 8 / 16
+# programs per row of 262144), with the descriptor walk and, at 8, the register walk.
+PARTS_SWEEP = [dict(part_blocks=b) for b in (32, 16, 8, 4)] + [dict(part_blocks=8, tma=False)]
 
 
 def make_logits(n_req: int, dtype: torch.dtype, kind: str, seed: int) -> torch.Tensor:
@@ -266,12 +270,14 @@ def host_us(fns: dict, rounds: int = 15, calls: int = 40) -> dict[str, float]:
     return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
-def few_rows_sweep(out_path: str, kernel: bool = True) -> None:
-    """Kernel time of the stats pass (sampling, ``lm`` logits) for each ``FEW_ROWS_SWEEP``
-    config at ``FEW_ROWS_REQUESTS``, next to the default config of the same run. Kernel time
-    (torch.profiler), not ``do_bench``: at 1 request the Python launch takes about as long as
-    the kernel (``kernel=False`` skips this part). Then the host time of one call, register
-    walk against the default."""
+def few_rows_sweep(out_path: str, kernel: bool = True, sweep=None) -> None:
+    """Kernel time of the stats pass (sampling, ``lm`` logits) for each ``sweep`` config
+    (default ``FEW_ROWS_SWEEP``) at ``FEW_ROWS_REQUESTS``, next to the default config of the
+    same run. Kernel time (torch.profiler), not ``do_bench``: at 1 request the Python launch
+    takes about as long as the kernel (``kernel=False`` skips this part); ``all kernels`` adds
+    what else a call launches (the split walk's zeroed scratch). Then the host time of one
+    call: the default, the register walk and the sweep's configs."""
+    sweep = FEW_ROWS_SWEEP if sweep is None else sweep
     results = []
     for dtype in (torch.float32, torch.bfloat16):
         dname = str(dtype).replace("torch.", "")
@@ -279,17 +285,19 @@ def few_rows_sweep(out_path: str, kernel: bool = True) -> None:
             bufs = [make_logits(n_req, dtype, "lm", seed) for seed in (1, 2)]
             nbytes = bufs[0].numel() * bufs[0].element_size()
             temperature, seeds, draws, row_request, row_position = request_params(n_req)
-            for cfg in [None] + FEW_ROWS_SWEEP:
+            for cfg in [None] + sweep:
                 def run(x, cfg=cfg):
                     return rs.row_stats_rows(x, row_request, row_position, temperature, seeds,
                                              draws, config=cfg)
 
-                ms = kernel_ms(run, bufs, reps=20).get("_row_stats_kernel", float("nan"))
+                times = kernel_ms(run, bufs, reps=20)
+                ms = times.get("_row_stats_kernel", float("nan"))
+                all_ms = sum(times.values())
                 rec = dict(dtype=dname, requests=n_req, config=cfg or "default", kernel_ms=ms,
-                           tbps=nbytes / (ms * 1e-3) / 1e12)
+                           all_kernels_ms=all_ms, tbps=nbytes / (ms * 1e-3) / 1e12)
                 results.append(rec)
                 print(f"{dname:9s} req={n_req:2d} {str(cfg or 'default'):50s} {ms:7.3f} ms "
-                      f"{rec['tbps']:5.2f} TB/s", flush=True)
+                      f"{rec['tbps']:5.2f} TB/s (all kernels {all_ms:7.3f} ms)", flush=True)
             del bufs
             torch.cuda.empty_cache()
         # Host time of one call (Python, the descriptor, the launch): 1 request of a short
@@ -297,13 +305,15 @@ def few_rows_sweep(out_path: str, kernel: bool = True) -> None:
         x = make_logits(1, dtype, "lm", 3)[:, :HOST_VOCAB].contiguous()
         temperature, seeds, draws, row_request, row_position = request_params(1)
         configs = {"register walk": dict(tma=False), "default": None}
+        if any("part_blocks" in cfg for cfg in sweep):
+            configs["split, 2 parts"] = dict(part_blocks=1)  # HOST_VOCAB: 2 sampling blocks
         us = host_us({name: (lambda cfg=cfg: rs.row_stats_rows(
             x, row_request, row_position, temperature, seeds, draws, config=cfg))
             for name, cfg in configs.items()})
         for name, cfg in configs.items():
-            gpu_ms = kernel_ms(lambda b, cfg=cfg: rs.row_stats_rows(
+            gpu_ms = sum(kernel_ms(lambda b, cfg=cfg: rs.row_stats_rows(
                 b, row_request, row_position, temperature, seeds, draws, config=cfg),
-                [x], reps=20).get("_row_stats_kernel", float("nan"))
+                [x], reps=20).values())
             results.append(dict(dtype=dname, requests=1, vocab=HOST_VOCAB,
                                 config=cfg or "default", host_us=us[name], kernel_us=gpu_ms * 1e3))
             print(f"{dname:9s} host time per call, vocab {HOST_VOCAB}, {name:14s} "
@@ -332,12 +342,15 @@ def main() -> None:
                     help="only the launch-config sweep of the stats pass at 1-32 requests "
                          "(FEW_ROWS_SWEEP), kernel time from the profiler, and the host time "
                          "of one call")
+    ap.add_argument("--parts", action="store_true",
+                    help="with --few-rows: sweep the split walk (PARTS_SWEEP) instead")
     ap.add_argument("--host-only", action="store_true",
                     help="with --few-rows: only the host time of one call")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA device"
     if args.few_rows:
-        few_rows_sweep(args.out, kernel=not args.host_only)
+        few_rows_sweep(args.out, kernel=not args.host_only,
+                       sweep=PARTS_SWEEP if args.parts else None)
         return
     if args.alternate:
         alternate_rounds(args.alternate)

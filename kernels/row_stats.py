@@ -56,6 +56,20 @@ one-warp programs fit on an SM, 4 per scheduler). Three things keep each warp bu
   fp32 logits gain where few rows leave few warps per SM (1 request: two one-warp programs
   per SM, 0.268 -> 0.173 ms) and lose nothing at 32 requests, where register prefetch
   already reads at the copy bandwidth (``row_stats-h200-v25-few-rows.log``).
+* Split walk (``PARTS``, config ``part_blocks``; off by default until the device has timed
+  it): at 1 request the 256 rows give two one-warp programs per SM, too few to keep the
+  memory busy whatever each one does. Each row's walk is then cut into parts of
+  ``part_blocks`` sampling blocks, one program each. A part walks exactly as the whole row
+  would, except that its running maximum starts afresh; it files its row state (max,
+  arg-max, sums, NaN flag, best block key and column) in a scratch slot and counts itself in
+  on a per-row counter. The part that arrives last merges the parts in vocabulary order
+  (``_merge_partials``), runs stage b and writes the row, and puts the counter back to zero
+  (so a CUDA graph replays it). Every scalar atomic of a program is issued by its thread 0
+  with acq_rel semantics (sm_90 PTX, Triton 3.6 and 3.9), so that the counting in orders
+  the slot writes before the merger's reads. The split depends on the config and the row
+  length only, never on the number of rows, so a request's bits stay independent of its
+  batch. A plain max / sum-exp stream over 256 rows with 4 parts went from 0.116 to
+  0.075 ms (fp32) and 0.110 to 0.051 ms (bf16) (``proto_row_stream-h200-split.log``).
 
 On an H200 at 32 requests (``bench/results/row_stats-h200-v11.log`` ... ``-v13.log``) groups
 took fp32 from 2.46 to 1.97 ms (4.35 TB/s, the copy bandwidth) and bf16 from 2.05 to
@@ -461,131 +475,89 @@ def _walk_group(xg0, xg1, xg2, xg3, walk, offs, lead, n_walk, n_cols, row_ptr, a
             big_m, holds, arg_b, rest, a_rest, r_acc, a_acc)
 
 
-@triton.jit(do_not_specialize=["vocab_offset"])
-def _row_stats_kernel(
-    logits_ptr, row_stride,                      # [N, V] rows, last dim contiguous
-    logits_desc,                                 # TMA descriptor of logits, block [1, BLOCK]
-    row_request_ptr, row_position_ptr,           # [N] int: request of the row, canvas position
-    temperature_ptr, inv_t_ptr,                  # [R] fp32: T (0 = greedy), 1 / max(T, 1e-10)
-    seeds_ptr, draws_ptr,                        # [R] int64
-    threshold_ptr, done_ptr,                     # [N] fp32 keep x >= t; [N] int8 row finished
-    allowed_ptr, allowed_stride,                 # [R, V] bool
-    column_tokens_ptr,                           # [V] int64 token id of each column
-    argmax_ptr, sample_ptr, entropy_ptr, lse_ptr, has_nan_ptr,  # [N] outputs
-    sample_key_ptr,                              # [N] fp32 output (HAS_SAMPLE_KEY)
-    vocab, vocab_offset,
-    SOFTCAP: tl.constexpr,
-    HAS_THRESHOLD: tl.constexpr,
-    HAS_ALLOWED: tl.constexpr,
-    HAS_COLUMN_TOKENS: tl.constexpr,
-    HAS_SAMPLE_KEY: tl.constexpr,
-    NOISE_FILTER: tl.constexpr,  # the hash filter of stage b (False only to measure it)
-    SAMPLE_BLOCK: tl.constexpr,  # positions per sampling block (a multiple of BLOCK)
-    BLOCK: tl.constexpr,
-    GROUP: tl.constexpr,         # blocks per max check (1, 2 or 4)
-    KEY_BUFFER: tl.constexpr,    # sampling-block keys drawn together (a power of two)
-    PREFETCH: tl.constexpr,      # blocks loaded ahead into registers: 0, GROUP or 2 GROUP
-    NUM_STAGES: tl.constexpr,    # Triton's own load pipelining (cp.async) when > 1
-    ALIGNED: tl.constexpr,       # vocab_offset % SAMPLE_BLOCK == 0 (no lead)
-    PLAIN_EXP2: tl.constexpr,    # tl.exp2 in the hot loop, not ex2.approx.ftz (interpreter)
-    TMA_WALK: tl.constexpr,      # whole groups through logits_desc (needs ALIGNED)
-    TMA_STAGES: tl.constexpr,    # groups in flight in shared memory on the descriptor walk
-):
-    row = tl.program_id(0)
-    request = tl.load(row_request_ptr + row).to(tl.int64)
-    position = tl.load(row_position_ptr + row)
-    inv_t = tl.load(inv_t_ptr + request)
-    sampling = tl.load(temperature_ptr + request) != 0.0
-    seed = tl.load(seeds_ptr + request)
-    draw = tl.load(draws_ptr + request)
-    block_key = kn.row_key(seed, draw, position, BLOCK_STREAM)
-    row_ptr = logits_ptr + row.to(tl.int64) * row_stride
-    allowed_row = allowed_ptr + request * allowed_stride
+# int32 words per part in the scratch of a split walk: m, arg, R, A2, has_nan, best key,
+# best column, and one of padding (32-byte slots).
+PARTIAL_WORDS = tl.constexpr(8)
 
-    threshold = tl.full((), NEG_INF, tl.float32)
-    todo = tl.full((), 1, tl.int1)
-    if HAS_THRESHOLD:
-        threshold = tl.load(threshold_ptr + row)
-        todo = tl.load(done_ptr + row) == 0
-    n_cols = tl.where(todo, vocab, 0)
-    # The walk starts on the sampling-block boundary at or before the slice: column
-    # `start` runs from -lead (masked) so that vocabulary blocks never straddle two
-    # sampling blocks. lead = 0 when vocab_offset is a multiple of SAMPLE_BLOCK.
-    if ALIGNED:
-        lead = 0
-    else:
-        lead = (vocab_offset % SAMPLE_BLOCK).to(tl.int32)
-    first_block = vocab_offset // SAMPLE_BLOCK
 
-    offs = tl.arange(0, BLOCK)
-    # The row so far: max m, its lowest index, R without that entry's 1, A2.
+@triton.jit
+def _file_partial(slot_ptr, m, arg, r_row, a_row, has_nan, best, best_start):
+    """Publish one part's row state. Atomic writes (from the one thread that issues a scalar
+    atomic, the same that then counts the part in with release semantics), so the merging
+    program sees them all once it has counted the last arrival."""
+    tl.atomic_xchg(slot_ptr + 0, m.to(tl.int32, bitcast=True))
+    tl.atomic_xchg(slot_ptr + 1, arg)
+    tl.atomic_xchg(slot_ptr + 2, r_row.to(tl.int32, bitcast=True))
+    tl.atomic_xchg(slot_ptr + 3, a_row.to(tl.int32, bitcast=True))
+    tl.atomic_xchg(slot_ptr + 4, has_nan)
+    tl.atomic_xchg(slot_ptr + 5, best.to(tl.int32, bitcast=True))
+    tl.atomic_xchg(slot_ptr + 6, best_start)
+
+
+@triton.jit
+def _read_word(ptr):
+    # An atomic read (adding 0) is served where the atomics wrote: never a stale L1 line.
+    return tl.atomic_add(ptr, 0)
+
+
+@triton.jit
+def _merge_partials(row_slots_ptr, PARTS: tl.constexpr):
+    """The row state of a split walk from its parts' states, merged in vocabulary order.
+
+    Each part's sums are relative to its own maximum ``m_q`` and leave out its arg-max
+    entry's 1 (``R_q``, ``A2_q`` in log2 units, as in ``_accumulate``). Merging part q into
+    the row so far (max ``M``), with ``d = (min - max) log2 e``, ``alpha = 2^d``:
+
+        m_q > M:   A2 = alpha (A2 + d (R + 1)) + A2_q,  R = alpha (R + 1) + R_q,  M = m_q
+        m_q <= M:  A2 += alpha (A2_q + d (R_q + 1)),    R += alpha (R_q + 1)
+
+    the same step that merges a sampling block into the row. Strict comparisons keep the
+    lowest id for a tied maximum and the lowest sampling block for a tied key.
+    """
     m = tl.full((), NEG_INF, tl.float32)
     arg = tl.full((), 0, tl.int32)
     r_row = tl.full((), 0.0, tl.float32)
     a_row = tl.full((), 0.0, tl.float32)
     has_nan = tl.full((), 0, tl.int32)
-    best = tl.full((), NEG_INF, tl.float32)    # best sampling-block key so far
-    best_start = tl.full((), 0, tl.int32)      # its first column
-    key_m, key_r, key_h = _empty_keys(KEY_BUFFER)  # sampling blocks awaiting their noise
-    # The current sampling block: sums relative to big_m (see _accumulate), per lane.
-    big_m, holds, arg_b, rest, a_rest, r_acc, a_acc = _sampling_block_start(m, BLOCK)
+    best = tl.full((), NEG_INF, tl.float32)
+    best_start = tl.full((), 0, tl.int32)
+    for q in range(PARTS):
+        slot = row_slots_ptr + q * PARTIAL_WORDS
+        m_q = _read_word(slot + 0).to(tl.float32, bitcast=True)
+        r_q = _read_word(slot + 2).to(tl.float32, bitcast=True)
+        a_q = _read_word(slot + 3).to(tl.float32, bitcast=True)
+        if m_q > m:
+            had_max = m > NEG_INF
+            d = tl.where(had_max, tl.maximum((m - m_q) * LOG2E, U_FLOOR), 0.0)
+            alpha = tl.exp2(d)
+            a_row = tl.where(had_max, (a_row + d * (r_row + 1.0)) * alpha, 0.0) + a_q
+            r_row = tl.where(had_max, (r_row + 1.0) * alpha, 0.0) + r_q
+            m = m_q
+            arg = _read_word(slot + 1)
+        elif m_q > NEG_INF:
+            d = tl.maximum((m_q - m) * LOG2E, U_FLOOR)
+            alpha = tl.exp2(d)
+            a_row += (a_q + d * (r_q + 1.0)) * alpha
+            r_row += (r_q + 1.0) * alpha
+        has_nan = has_nan | _read_word(slot + 4)
+        best_q = _read_word(slot + 5).to(tl.float32, bitcast=True)
+        if best_q > best:
+            best = best_q
+            best_start = _read_word(slot + 6)
+    return m, arg, r_row, a_row, has_nan, best, best_start
 
-    n_walk = tl.where(todo, lead + vocab, 0)  # positions walked, from the boundary
-    RAW_MAX: tl.constexpr = ((logits_ptr.dtype.element_ty != tl.float32) & (SOFTCAP == 0)
-                             & (not HAS_THRESHOLD) & (not HAS_ALLOWED) & (not PLAIN_EXP2))
-    # The walk goes by groups of GROUP blocks (one max check each, see _walk_group). Register
-    # prefetch: PREFETCH blocks (0, one group or two) are loaded ahead. With two groups the
-    # walk is unrolled twice and each group owns its buffers, reloaded right after it is
-    # consumed, so no register copy waits on a load in flight and one warp keeps between
-    # one and two groups of loads in flight: the pass is bound by that latency.
-    SPAN: tl.constexpr = GROUP * BLOCK
-    STEP: tl.constexpr = SPAN * (1 + (PREFETCH > GROUP))  # walk positions per iteration
-    walk0 = 0  # where the register-prefetch walk starts
-    if TMA_WALK:
-        # Whole groups through the descriptor; the ragged last one (if any) is left to the
-        # walk below, whose masked pointer loads give -inf past the end (TMA pads zeros).
-        walk0 = n_walk // SPAN * SPAN
-        for walk in tl.range(0, walk0, SPAN, num_stages=TMA_STAGES):
-            a0, a1, a2, a3 = _desc_group(logits_desc, row, walk, GROUP, BLOCK)
-            (m, arg, r_row, a_row, has_nan, best, best_start, key_m, key_r, key_h,
-             big_m, holds, arg_b, rest, a_rest, r_acc, a_acc) = _walk_group(
-                a0, a1, a2, a3, walk, offs, lead, n_walk, n_cols, row_ptr, allowed_row,
-                block_key, first_block, vocab, inv_t, threshold, sampling,
-                m, arg, r_row, a_row, has_nan, best, best_start, key_m, key_r, key_h,
-                big_m, holds, arg_b, rest, a_rest, r_acc, a_acc,
-                SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, SAMPLE_BLOCK, BLOCK, GROUP, KEY_BUFFER,
-                RAW_MAX, PLAIN_EXP2)
-    if PREFETCH > 0:
-        a0, a1, a2, a3 = _load_group(row_ptr, walk0, offs, lead, n_walk, GROUP, BLOCK, ALIGNED)
-    if PREFETCH > GROUP:
-        b0, b1, b2, b3 = _load_group(row_ptr, walk0 + SPAN, offs, lead, n_walk, GROUP, BLOCK,
-                                     ALIGNED)
-    for walk in tl.range(walk0, n_walk, STEP, num_stages=NUM_STAGES):
-        if PREFETCH == 0:
-            a0, a1, a2, a3 = _load_group(row_ptr, walk, offs, lead, n_walk, GROUP, BLOCK, ALIGNED)
-        (m, arg, r_row, a_row, has_nan, best, best_start, key_m, key_r, key_h,
-         big_m, holds, arg_b, rest, a_rest, r_acc, a_acc) = _walk_group(
-            a0, a1, a2, a3, walk, offs, lead, n_walk, n_cols, row_ptr, allowed_row, block_key,
-            first_block, vocab, inv_t, threshold, sampling,
-            m, arg, r_row, a_row, has_nan, best, best_start, key_m, key_r, key_h,
-            big_m, holds, arg_b, rest, a_rest, r_acc, a_acc,
-            SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, SAMPLE_BLOCK, BLOCK, GROUP, KEY_BUFFER, RAW_MAX, PLAIN_EXP2)
-        if PREFETCH > 0:
-            a0, a1, a2, a3 = _load_group(row_ptr, walk + STEP, offs, lead, n_walk, GROUP, BLOCK,
-                                         ALIGNED)
-        if PREFETCH > GROUP:
-            if walk + SPAN < n_walk:
-                (m, arg, r_row, a_row, has_nan, best, best_start, key_m, key_r, key_h,
-                 big_m, holds, arg_b, rest, a_rest, r_acc, a_acc) = _walk_group(
-                    b0, b1, b2, b3, walk + SPAN, offs, lead, n_walk, n_cols, row_ptr,
-                    allowed_row, block_key, first_block, vocab, inv_t, threshold, sampling,
-                    m, arg, r_row, a_row, has_nan, best, best_start, key_m, key_r, key_h,
-                    big_m, holds, arg_b, rest, a_rest, r_acc, a_acc,
-                    SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, SAMPLE_BLOCK, BLOCK, GROUP, KEY_BUFFER,
-                    RAW_MAX, PLAIN_EXP2)
-            b0, b1, b2, b3 = _load_group(row_ptr, walk + STEP + SPAN, offs, lead, n_walk, GROUP,
-                                         BLOCK, ALIGNED)
 
+@triton.jit
+def _finish_row(m, arg, r_row, a_row, has_nan, best, best_start, row, row_ptr, n_cols, todo,
+                sampling, seed, draw, position, vocab, vocab_offset, inv_t, threshold,
+                allowed_row, column_tokens_ptr, argmax_ptr, sample_ptr, entropy_ptr, lse_ptr,
+                has_nan_ptr, sample_key_ptr, SOFTCAP: tl.constexpr, HAS_THRESHOLD: tl.constexpr,
+                HAS_ALLOWED: tl.constexpr, HAS_COLUMN_TOKENS: tl.constexpr,
+                HAS_SAMPLE_KEY: tl.constexpr, NOISE_FILTER: tl.constexpr,
+                SAMPLE_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
+    """A row's outputs from its walked state: lse and entropy, and stage b of the draw (the
+    per-token Gumbel-max over the winning sampling block, read again)."""
+    offs = tl.arange(0, BLOCK)
     entropy, lse = finish_stats(m, r_row, a_row)
     chosen = arg
     if sampling & (best > NEG_INF):
@@ -642,6 +614,165 @@ def _row_stats_kernel(
     tl.store(has_nan_ptr + row, has_nan != 0, mask=todo)
     if HAS_SAMPLE_KEY:
         tl.store(sample_key_ptr + row, tl.where(sampling & kept, best, NEG_INF), mask=todo)
+
+
+@triton.jit(do_not_specialize=["vocab_offset"])
+def _row_stats_kernel(
+    logits_ptr, row_stride,                      # [N, V] rows, last dim contiguous
+    logits_desc,                                 # TMA descriptor of logits, block [1, BLOCK]
+    row_request_ptr, row_position_ptr,           # [N] int: request of the row, canvas position
+    temperature_ptr, inv_t_ptr,                  # [R] fp32: T (0 = greedy), 1 / max(T, 1e-10)
+    seeds_ptr, draws_ptr,                        # [R] int64
+    threshold_ptr, done_ptr,                     # [N] fp32 keep x >= t; [N] int8 row finished
+    allowed_ptr, allowed_stride,                 # [R, V] bool
+    column_tokens_ptr,                           # [V] int64 token id of each column
+    argmax_ptr, sample_ptr, entropy_ptr, lse_ptr, has_nan_ptr,  # [N] outputs
+    sample_key_ptr,                              # [N] fp32 output (HAS_SAMPLE_KEY)
+    partials_ptr, arrivals_ptr,                  # [N, PARTS, 8] int32 scratch; [N] int32 zeros
+    vocab, vocab_offset,
+    SOFTCAP: tl.constexpr,
+    HAS_THRESHOLD: tl.constexpr,
+    HAS_ALLOWED: tl.constexpr,
+    HAS_COLUMN_TOKENS: tl.constexpr,
+    HAS_SAMPLE_KEY: tl.constexpr,
+    NOISE_FILTER: tl.constexpr,  # the hash filter of stage b (False only to measure it)
+    SAMPLE_BLOCK: tl.constexpr,  # positions per sampling block (a multiple of BLOCK)
+    BLOCK: tl.constexpr,
+    GROUP: tl.constexpr,         # blocks per max check (1, 2 or 4)
+    KEY_BUFFER: tl.constexpr,    # sampling-block keys drawn together (a power of two)
+    PREFETCH: tl.constexpr,      # blocks loaded ahead into registers: 0, GROUP or 2 GROUP
+    NUM_STAGES: tl.constexpr,    # Triton's own load pipelining (cp.async) when > 1
+    ALIGNED: tl.constexpr,       # vocab_offset % SAMPLE_BLOCK == 0 (no lead)
+    PLAIN_EXP2: tl.constexpr,    # tl.exp2 in the hot loop, not ex2.approx.ftz (interpreter)
+    TMA_WALK: tl.constexpr,      # whole groups through logits_desc (needs ALIGNED)
+    TMA_STAGES: tl.constexpr,    # groups in flight in shared memory on the descriptor walk
+    PARTS: tl.constexpr,         # programs per row, each walking PART_LEN positions (1: no split)
+    PART_LEN: tl.constexpr,      # walk positions per part (a multiple of SAMPLE_BLOCK)
+):
+    pid = tl.program_id(0)
+    row = pid // PARTS
+    part = pid % PARTS
+    request = tl.load(row_request_ptr + row).to(tl.int64)
+    position = tl.load(row_position_ptr + row)
+    inv_t = tl.load(inv_t_ptr + request)
+    sampling = tl.load(temperature_ptr + request) != 0.0
+    seed = tl.load(seeds_ptr + request)
+    draw = tl.load(draws_ptr + request)
+    block_key = kn.row_key(seed, draw, position, BLOCK_STREAM)
+    row_ptr = logits_ptr + row.to(tl.int64) * row_stride
+    allowed_row = allowed_ptr + request * allowed_stride
+
+    threshold = tl.full((), NEG_INF, tl.float32)
+    todo = tl.full((), 1, tl.int1)
+    if HAS_THRESHOLD:
+        threshold = tl.load(threshold_ptr + row)
+        todo = tl.load(done_ptr + row) == 0
+    n_cols = tl.where(todo, vocab, 0)
+    # The walk starts on the sampling-block boundary at or before the slice: column
+    # `start` runs from -lead (masked) so that vocabulary blocks never straddle two
+    # sampling blocks. lead = 0 when vocab_offset is a multiple of SAMPLE_BLOCK.
+    if ALIGNED:
+        lead = 0
+    else:
+        lead = (vocab_offset % SAMPLE_BLOCK).to(tl.int32)
+    first_block = vocab_offset // SAMPLE_BLOCK
+
+    offs = tl.arange(0, BLOCK)
+    # The row so far: max m, its lowest index, R without that entry's 1, A2.
+    m = tl.full((), NEG_INF, tl.float32)
+    arg = tl.full((), 0, tl.int32)
+    r_row = tl.full((), 0.0, tl.float32)
+    a_row = tl.full((), 0.0, tl.float32)
+    has_nan = tl.full((), 0, tl.int32)
+    best = tl.full((), NEG_INF, tl.float32)    # best sampling-block key so far
+    best_start = tl.full((), 0, tl.int32)      # its first column
+    key_m, key_r, key_h = _empty_keys(KEY_BUFFER)  # sampling blocks awaiting their noise
+    # The current sampling block: sums relative to big_m (see _accumulate), per lane.
+    big_m, holds, arg_b, rest, a_rest, r_acc, a_acc = _sampling_block_start(m, BLOCK)
+
+    # Positions walked, from the boundary: this part's [w_begin, n_walk) of the row's
+    # [0, lead + vocab). Parts end on sampling-block boundaries, so a part's blocks and keys
+    # are those of the unsplit walk; only its running maximum starts afresh.
+    w_begin = part * PART_LEN
+    n_walk = tl.where(todo, lead + vocab, 0)
+    if PARTS > 1:
+        n_walk = tl.maximum(tl.minimum(n_walk, w_begin + PART_LEN), w_begin)
+    RAW_MAX: tl.constexpr = ((logits_ptr.dtype.element_ty != tl.float32) & (SOFTCAP == 0)
+                             & (not HAS_THRESHOLD) & (not HAS_ALLOWED) & (not PLAIN_EXP2))
+    # The walk goes by groups of GROUP blocks (one max check each, see _walk_group). Register
+    # prefetch: PREFETCH blocks (0, one group or two) are loaded ahead. With two groups the
+    # walk is unrolled twice and each group owns its buffers, reloaded right after it is
+    # consumed, so no register copy waits on a load in flight and one warp keeps between
+    # one and two groups of loads in flight: the pass is bound by that latency.
+    SPAN: tl.constexpr = GROUP * BLOCK
+    STEP: tl.constexpr = SPAN * (1 + (PREFETCH > GROUP))  # walk positions per iteration
+    walk0 = w_begin  # where the register-prefetch walk starts
+    if TMA_WALK:
+        # Whole groups through the descriptor; the ragged last one (if any) is left to the
+        # walk below, whose masked pointer loads give -inf past the end (TMA pads zeros).
+        walk0 = w_begin + (n_walk - w_begin) // SPAN * SPAN
+        for walk in tl.range(w_begin, walk0, SPAN, num_stages=TMA_STAGES):
+            a0, a1, a2, a3 = _desc_group(logits_desc, row, walk, GROUP, BLOCK)
+            (m, arg, r_row, a_row, has_nan, best, best_start, key_m, key_r, key_h,
+             big_m, holds, arg_b, rest, a_rest, r_acc, a_acc) = _walk_group(
+                a0, a1, a2, a3, walk, offs, lead, n_walk, n_cols, row_ptr, allowed_row,
+                block_key, first_block, vocab, inv_t, threshold, sampling,
+                m, arg, r_row, a_row, has_nan, best, best_start, key_m, key_r, key_h,
+                big_m, holds, arg_b, rest, a_rest, r_acc, a_acc,
+                SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, SAMPLE_BLOCK, BLOCK, GROUP, KEY_BUFFER,
+                RAW_MAX, PLAIN_EXP2)
+    if PREFETCH > 0:
+        a0, a1, a2, a3 = _load_group(row_ptr, walk0, offs, lead, n_walk, GROUP, BLOCK, ALIGNED)
+    if PREFETCH > GROUP:
+        b0, b1, b2, b3 = _load_group(row_ptr, walk0 + SPAN, offs, lead, n_walk, GROUP, BLOCK,
+                                     ALIGNED)
+    for walk in tl.range(walk0, n_walk, STEP, num_stages=NUM_STAGES):
+        if PREFETCH == 0:
+            a0, a1, a2, a3 = _load_group(row_ptr, walk, offs, lead, n_walk, GROUP, BLOCK, ALIGNED)
+        (m, arg, r_row, a_row, has_nan, best, best_start, key_m, key_r, key_h,
+         big_m, holds, arg_b, rest, a_rest, r_acc, a_acc) = _walk_group(
+            a0, a1, a2, a3, walk, offs, lead, n_walk, n_cols, row_ptr, allowed_row, block_key,
+            first_block, vocab, inv_t, threshold, sampling,
+            m, arg, r_row, a_row, has_nan, best, best_start, key_m, key_r, key_h,
+            big_m, holds, arg_b, rest, a_rest, r_acc, a_acc,
+            SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, SAMPLE_BLOCK, BLOCK, GROUP, KEY_BUFFER, RAW_MAX, PLAIN_EXP2)
+        if PREFETCH > 0:
+            a0, a1, a2, a3 = _load_group(row_ptr, walk + STEP, offs, lead, n_walk, GROUP, BLOCK,
+                                         ALIGNED)
+        if PREFETCH > GROUP:
+            if walk + SPAN < n_walk:
+                (m, arg, r_row, a_row, has_nan, best, best_start, key_m, key_r, key_h,
+                 big_m, holds, arg_b, rest, a_rest, r_acc, a_acc) = _walk_group(
+                    b0, b1, b2, b3, walk + SPAN, offs, lead, n_walk, n_cols, row_ptr,
+                    allowed_row, block_key, first_block, vocab, inv_t, threshold, sampling,
+                    m, arg, r_row, a_row, has_nan, best, best_start, key_m, key_r, key_h,
+                    big_m, holds, arg_b, rest, a_rest, r_acc, a_acc,
+                    SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, SAMPLE_BLOCK, BLOCK, GROUP, KEY_BUFFER,
+                    RAW_MAX, PLAIN_EXP2)
+            b0, b1, b2, b3 = _load_group(row_ptr, walk + STEP + SPAN, offs, lead, n_walk, GROUP,
+                                         BLOCK, ALIGNED)
+
+    if PARTS == 1:
+        _finish_row(m, arg, r_row, a_row, has_nan, best, best_start, row, row_ptr, n_cols, todo,
+                    sampling, seed, draw, position, vocab, vocab_offset, inv_t, threshold,
+                    allowed_row, column_tokens_ptr, argmax_ptr, sample_ptr, entropy_ptr, lse_ptr,
+                    has_nan_ptr, sample_key_ptr, SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED,
+                    HAS_COLUMN_TOKENS, HAS_SAMPLE_KEY, NOISE_FILTER, SAMPLE_BLOCK, BLOCK)
+    else:
+        # File this part's row state; the part that arrives last merges all of them.
+        slot_ptr = partials_ptr + pid.to(tl.int64) * PARTIAL_WORDS
+        _file_partial(slot_ptr, m, arg, r_row, a_row, has_nan, best, best_start)
+        arrived = tl.atomic_add(arrivals_ptr + row, 1, sem="acq_rel")
+        if arrived == PARTS - 1:
+            tl.atomic_xchg(arrivals_ptr + row, 0)  # ready for the next launch (graph replays)
+            m, arg, r_row, a_row, has_nan, best, best_start = _merge_partials(
+                partials_ptr + row.to(tl.int64) * (PARTS * PARTIAL_WORDS), PARTS)
+            _finish_row(m, arg, r_row, a_row, has_nan, best, best_start, row, row_ptr, n_cols,
+                        todo, sampling, seed, draw, position, vocab, vocab_offset, inv_t,
+                        threshold, allowed_row, column_tokens_ptr, argmax_ptr, sample_ptr,
+                        entropy_ptr, lse_ptr, has_nan_ptr, sample_key_ptr, SOFTCAP,
+                        HAS_THRESHOLD, HAS_ALLOWED, HAS_COLUMN_TOKENS, HAS_SAMPLE_KEY,
+                        NOISE_FILTER, SAMPLE_BLOCK, BLOCK)
 
 
 def _check_rows(logits, row_request, row_position, temperature, seeds, draws, top_k, top_p,
@@ -713,8 +844,10 @@ def default_config(logits: torch.Tensor) -> dict:
     # the order of the per-lane sums and so the entropy bits (diag_walk_bits-h200.log); the
     # stage count changes no bit. The descriptor costs ~65 us of host time per launch
     # (row_stats-h200-v25-host.log).
+    # The split walk (part_blocks, see the module docstring) is compiled and checked on the
+    # CPU but not yet timed on the device: off.
     return dict(block=256, num_warps=1, group=4, prefetch=1, num_stages=1, maxnreg=None,
-                fast_exp2=True, key_buffer=64, tma=True,
+                fast_exp2=True, key_buffer=64, tma=True, part_blocks=None,
                 tma_stages=3 if logits.element_size() == 4 else 4)
 
 
@@ -746,6 +879,28 @@ def walk_shape(cfg: dict, block: int, sample_block: int) -> tuple[int, int]:
     if ahead not in (0, 1, 2):
         raise ValueError(f"row_stats config: prefetch must be 0, 1 or 2 groups, got {cfg['prefetch']!r}")
     return group, ahead * group
+
+
+def vocabulary_parts(cfg: dict, n_walk: int, sample_block: int) -> tuple[int, int]:
+    """(parts per row, walk positions per part; 0 for one part) of a launch config: ``part_blocks`` sampling
+    blocks per part (None or 0: one part, the unsplit walk), for a row walk of ``n_walk``
+    positions (the lead before an unaligned slice included).
+
+    The split depends on the config and the row length only, never on the number of rows:
+    a part's sums start from its own maximum, so the split sets the rounding of lse and
+    entropy, and a request's bits may not depend on the batch it came in.
+    """
+    blocks = cfg.get("part_blocks") or 0
+    if isinstance(blocks, bool) or not (isinstance(blocks, int) and blocks >= 0):
+        raise ValueError(f"row_stats config: part_blocks must be an int >= 0, got {blocks!r}")
+    if blocks == 0:
+        return 1, 0
+    part_len = blocks * sample_block
+    parts = triton.cdiv(n_walk, part_len)
+    if parts > 4096:
+        raise ValueError(f"row_stats config: {parts} parts per row (part_blocks={blocks}) is "
+                         "more than 4096")
+    return (parts, part_len) if parts > 1 else (1, 0)
 
 
 def row_stats_rows(
@@ -811,12 +966,17 @@ def row_stats_rows(
     block = min(cfg["block"], sample_block, max(16, triton.next_power_of_2(vocab)))
     group, prefetch = walk_shape(cfg, block, sample_block)
     aligned = vocab_offset % sample_block == 0
+    parts, part_len = vocabulary_parts(cfg, vocab_offset % sample_block + vocab, sample_block)
+    # Per part its row state (PARTIAL_WORDS int32), per row the count of parts arrived.
+    scratch = torch.zeros(n_rows * (1 + parts * 8) if parts > 1 else 1, dtype=torch.int32,
+                          device=logits.device)
     logits_desc = None
     if _tma_walk(logits, cfg, block, aligned):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         logits_desc = TensorDescriptor(logits, [n_rows, vocab], [logits.stride(0), 1], [1, block])
-    _row_stats_kernel[(n_rows,)](
+    assert n_rows * parts < 2**31, f"{n_rows} rows x {parts} parts: too many programs"
+    _row_stats_kernel[(n_rows * parts,)](
         logits, logits.stride(0), logits_desc,
         row_request, row_position,
         temp32, inv_t, seeds, draws,
@@ -825,6 +985,7 @@ def row_stats_rows(
         column_tokens if column_tokens is not None else seeds,
         out.argmax, out.sample, out.entropy, out.lse, out.has_nan,
         sample_key if sample_key is not None else out.lse,
+        scratch[n_rows:] if parts > 1 else scratch, scratch,
         vocab, vocab_offset,
         SOFTCAP=softcap_c,
         HAS_THRESHOLD=done is not None,
@@ -836,13 +997,15 @@ def row_stats_rows(
         BLOCK=block,
         GROUP=group,
         KEY_BUFFER=min(int(cfg["key_buffer"]), triton.next_power_of_2(
-            triton.cdiv(vocab_offset % sample_block + vocab, sample_block))),
+            triton.cdiv(part_len or vocab_offset % sample_block + vocab, sample_block))),
         PREFETCH=prefetch,
         NUM_STAGES=cfg["num_stages"],
         ALIGNED=aligned,
         PLAIN_EXP2=not cfg["fast_exp2"] or interpreting(),
         TMA_WALK=logits_desc is not None,
         TMA_STAGES=int(cfg["tma_stages"]),
+        PARTS=parts,
+        PART_LEN=part_len,
         num_warps=cfg["num_warps"],
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
     )

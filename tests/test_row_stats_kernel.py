@@ -502,6 +502,89 @@ def test_top_k_top_p_edge_rows(interpret, poisoned):
     check(*args, top_k=top_k, top_p=top_p, allowed=allowed)
 
 
+# The split walk (``part_blocks``): with the CPU's sampling blocks of 512 entries, rows of 700
+# to 2000 entries split into 2-4 parts, and an unaligned slice moves the part boundaries.
+PARTS_CONFIG = dict(CPU_CONFIG, part_blocks=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vocabulary_parts_special_rows(interpret, poisoned, dtype):
+    """Parts that hold the maximum, parts with nothing kept, NaN and +inf in one part only,
+    tied maxima in different parts (the lowest id wins), a new maximum in every part."""
+    gen = torch.Generator().manual_seed(31)
+    vocab = 1000
+    logits = _special_rows(vocab, gen)
+    extra = torch.randn(3, vocab, generator=gen)
+    extra[0, :600] = float("-inf")            # the first part empty
+    extra[1, [100, 900]] = 7.0                # a tied maximum in the first and second part
+    extra[2, 800] = float("nan")              # NaN in the last part only
+    logits = torch.cat([logits, extra]).to(dtype)
+    n_rows = logits.shape[0]
+    temperature = torch.tensor([0.8, 0.0, 1e-8, 50.0])
+    seeds = torch.tensor([3, -(2**63), 2**63 - 1, 12345])
+    draws = torch.tensor([0, 1, 2**33, 7])
+    row_request = (torch.arange(n_rows) % 4).to(torch.int32)
+    row_position = torch.arange(n_rows, dtype=torch.int32) * 5
+    args = _on(interpret, logits, row_request, row_position, temperature, seeds, draws)
+    got = check(*args, config=PARTS_CONFIG)
+    assert got.argmax[3] == 0 and got.lse[3] == float("-inf")     # all masked
+    assert got.argmax[4] == vocab - 1 and got.entropy[4] == 0     # one entry, in the last part
+    assert got.argmax[13] == 100                                  # lowest id across parts
+    assert got.has_nan.tolist()[14] and not got.has_nan.tolist()[12]
+    check(*args, config=PARTS_CONFIG, vocab_offset=300)           # unaligned: a lead, 3 parts
+
+
+def test_vocabulary_parts_masks(interpret, poisoned):
+    """Allowed sets, top-k / top-p (rows the threshold search finishes skip the walk),
+    column tokens and a softcap through the split walk; sample keys for the tensor-parallel
+    merge."""
+    gen = torch.Generator().manual_seed(32)
+    n_rows, vocab, n_req = 10, 1700, 4
+    logits = torch.randn(n_rows, vocab, generator=gen) * 2
+    temperature, seeds, draws = _requests(n_req, gen)
+    row_request, row_position = _rows(n_rows, n_req, gen)
+    allowed = torch.rand(n_req, vocab, generator=gen) < 0.4
+    allowed[1, :1100] = False                 # request 1: nothing in the first two parts
+    top_k, top_p = torch.tensor([3, 0, 200, 0]), torch.tensor([1.0, 0.7, 1.0, 1.0])
+    column_tokens = torch.randperm(262144, generator=gen)[:vocab]
+    *args, allowed, top_k, top_p, column_tokens = _on(
+        interpret, logits, row_request, row_position, temperature, seeds, draws, allowed, top_k,
+        top_p, column_tokens)
+    check(*args, allowed=allowed, config=PARTS_CONFIG)
+    check(*args, top_k=top_k, top_p=top_p, allowed=allowed, config=PARTS_CONFIG)
+    check(*args, softcap=30.0, column_tokens=column_tokens, config=PARTS_CONFIG,
+          near_ties_allowed=2)
+
+
+def test_vocabulary_parts_bits_independent_of_rows(interpret):
+    """A row's results do not depend on the other rows of the launch (the split is set by
+    the config and the row length), nor on the walk's shape within a part."""
+    gen = torch.Generator().manual_seed(33)
+    n_rows, vocab, n_req = 6, 1999, 3
+    logits = torch.randn(n_rows, vocab, generator=gen) * 3
+    logits[2, 1500] = float("inf")
+    temperature, seeds, draws = _requests(n_req, gen, temps=(0.0, 0.7, 1.3))
+    row_request, row_position = _rows(n_rows, n_req, gen)
+    args = _on(interpret, logits, row_request, row_position, temperature, seeds, draws)
+    kw = dict(vocab_offset=100, sample_block=256)
+    whole = rs.row_stats_rows(*args, config=dict(PARTS_CONFIG, part_blocks=3), **kw)
+    x, rr, rp, *per_request = args
+    pick = torch.tensor([4, 2], device=x.device)
+    few = rs.row_stats_rows(x[pick], rr[pick], rp[pick], *per_request,
+                            config=dict(PARTS_CONFIG, part_blocks=3, group=1, prefetch=0),
+                            **kw)
+    for name in ("argmax", "sample", "entropy", "lse", "has_nan"):
+        assert torch.equal(getattr(few, name), getattr(whole, name)[pick]), name
+
+
+@pytest.mark.parametrize("blocks", [-1, 2.0, "2", True])
+def test_vocabulary_parts_config_rejects(interpret, blocks):
+    with pytest.raises(ValueError, match="part_blocks"):
+        rs.vocabulary_parts(dict(part_blocks=blocks), 4096, 512)
+    assert rs.vocabulary_parts(dict(part_blocks=2), 1024, 512) == (1, 0)  # one part: unsplit
+    assert rs.vocabulary_parts(dict(part_blocks=2), 1025, 512) == (2, 1024)
+
+
 # ----------------------------------------------------------------------------------- GPU
 
 
@@ -523,10 +606,11 @@ def _gpu_rows(n_req, width, vocab, dtype, gen_seed):
     return logits, row_request, row_position, temperature, seeds, draws
 
 
-def _gpu_check(logits, row_request, row_position, temperature, seeds, draws, rows=None, **kw):
+def _gpu_check(logits, row_request, row_position, temperature, seeds, draws, rows=None,
+               config=None, **kw):
     """Kernel on all rows; oracle and float64 checks on ``rows`` (all rows when None), chunked."""
     got = rs.row_stats_rows(logits, row_request, row_position, temperature, seeds, draws,
-                            config=None, **kw)
+                            config=config, **kw)
     torch.cuda.synchronize()
     rows = torch.arange(logits.shape[0], device="cuda") if rows is None else rows
     ties = 0
@@ -676,3 +760,75 @@ def test_gpu_search_config_changes_no_bit():
                 torch.testing.assert_close(got[name], b, rtol=2e-6, atol=1e-6, msg=f"{cfg} {name}")
             else:
                 assert torch.equal(got[name], b), (cfg, name)
+
+
+STATS = ("argmax", "sample", "entropy", "lse", "has_nan", "threshold")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_vocabulary_parts(dtype):
+    """The split walk at the real row length (16 and 8 sampling blocks per part: 4 and 8
+    programs per row) against the oracle and float64, with and without top-k / top-p; at 32
+    requests (65536 programs racing to merge) repeated launches give the same bits."""
+    data = _gpu_rows(4, 256, 262144, dtype, 41)
+    for blocks in (16, 8):
+        _gpu_check(*data, config=dict(part_blocks=blocks))
+    top_k = torch.tensor([0, 20, 2000, 0], device="cuda")
+    top_p = torch.tensor([0.9, 1.0, 0.5, 1.0], device="cuda")
+    _gpu_check(*data, config=dict(part_blocks=16), top_k=top_k, top_p=top_p)
+    data = _gpu_rows(32, 256, 262144, dtype, 42)
+    rows = torch.randint(0, 32 * 256, (512,), device="cuda")
+    first = _gpu_check(*data, rows=rows, config=dict(part_blocks=8))
+    for _ in range(3):
+        again = rs.row_stats_rows(*data, config=dict(part_blocks=8))
+        for name in STATS:
+            assert torch.equal(getattr(again, name), getattr(first, name)), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_vocabulary_parts_bits_independent_of_batch(dtype):
+    """As ``test_gpu_request_bits_independent_of_batch``, through the split walk; and its
+    descriptor walk against its register walk, bit for bit."""
+    width, n_req = 256, 6
+    logits, row_request, row_position, temperature, seeds, draws = _gpu_rows(
+        n_req, width, 262144, dtype, 43)
+    cfg = dict(part_blocks=16)
+    batch = rs.row_stats_rows(logits, row_request, row_position, temperature, seeds, draws,
+                              config=cfg)
+    registers = rs.row_stats_rows(logits, row_request, row_position, temperature, seeds, draws,
+                                  config=dict(cfg, tma=False))
+    for name in STATS:
+        assert torch.equal(getattr(registers, name), getattr(batch, name)), name
+    for r in (1, n_req - 1):
+        rows = slice(r * width, (r + 1) * width)
+        alone = rs.row_stats_rows(logits[rows], torch.zeros(width, dtype=torch.int32, device="cuda"),
+                                  row_position[rows], temperature[r:r + 1], seeds[r:r + 1],
+                                  draws[r:r + 1], config=cfg)
+        for name in STATS:
+            assert torch.equal(getattr(alone, name), getattr(batch, name)[rows]), (name, r)
+
+
+@pytest.mark.gpu
+def test_gpu_vocabulary_parts_graph_replay():
+    """Captured in a CUDA graph and replayed, the split walk gives the eager bits every time:
+    the arrival counters come back to zero after each launch."""
+    data = _gpu_rows(1, 256, 262144, torch.float32, 44)
+    cfg = dict(part_blocks=16)
+    eager = rs.row_stats_rows(*data, config=cfg)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        rs.row_stats_rows(*data, config=cfg)  # warm-up outside the capture
+        with torch.cuda.graph(graph, stream=stream):
+            captured = rs.row_stats_rows(*data, config=cfg)
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(3):
+        for t in captured.as_tuple():
+            t.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        for name in STATS:
+            assert torch.equal(getattr(captured, name), getattr(eager, name)), name
