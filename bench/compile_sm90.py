@@ -19,6 +19,10 @@ With the project's own interpreter it compiles with the Triton installed there (
 
 (``--variant``: a name from ``diag_soft_embedding.VARIANTS``; ``--module``: a file with another
 kernel behind the same interface, e.g. ``bench/proto_shared_p.py``.)
+
+``--row-stats`` compiles the row-statistics kernel instead (fp32 / bf16 logits, the descriptor
+walk, unsplit and split into 16 parts) and checks, in the split kernel's PTX, what its merge
+relies on: every atomic of a program issued under one predicate (its thread 0).
 """
 
 from __future__ import annotations
@@ -52,6 +56,67 @@ def mma_loop_lengths(sass: str) -> list[int]:
     return [sum(1 for a, _ in ins if lo <= a <= hi) for lo, hi in inner]
 
 
+def assemble(ptxas: str, ptx: str, cubin: str):
+    """ptxas -v of one kernel's PTX: (the completed process, its resource and error lines)."""
+    path = cubin[:-len(".cubin")] + ".ptx"
+    with open(path, "w") as f:
+        f.write(ptx)
+    report = subprocess.run([ptxas, "-v", "-arch=sm_90a", path, "-o", cubin],
+                            capture_output=True, text=True)
+    lines = [line.split(":", 1)[-1].strip() for line in (report.stdout + report.stderr).splitlines()
+             if any(k in line for k in ("Used", "spill", "arning", "rror", "fatal"))]
+    return report, lines
+
+
+def atomic_predicates(ptx: str) -> tuple[int, set[str]]:
+    """(number of global atomics, the predicates they are issued under) in a kernel's PTX."""
+    import re
+
+    found = re.findall(r"^\s*(@%p\d+)?\s*atom\.global", ptx, flags=re.M)
+    return len(found), set(found)
+
+
+def compile_row_stats(args, ptxas: str) -> bool:
+    """Compile ``row_stats_rows``'s kernel as an H200 would run it (the descriptor walk forced
+    on: its test needs a CUDA tensor) for each dtype, unsplit and split; report registers and
+    spills, and check the split kernel's atomics. Returns whether all is well."""
+    import torch
+    from triton.runtime.jit import JITFunction
+
+    from dgemma_sampler.kernels import row_stats as rs
+
+    compiled = []
+    warm = JITFunction.run
+
+    def keep(self, *a, **kw):
+        compiled.append(warm(self, *a, **kw))
+        return compiled[-1]
+
+    JITFunction.run = keep
+    rs._tma_walk = lambda logits, cfg, block, aligned: bool(cfg.get("tma")) and aligned
+    rs.interpreting = lambda: False
+    ok = True
+    n, v = 256, 262144
+    for dtype in (getattr(torch, name) for name in args.dtypes.split(",")):
+        for blocks in (None, 4):
+            rows = torch.zeros(n, dtype=torch.int32)
+            ones, zeros = torch.ones(1), torch.zeros(1, dtype=torch.int64)
+            rs.row_stats_rows(torch.empty(n, v, dtype=dtype), rows, rows, ones, zeros, zeros,
+                              config=dict(part_blocks=blocks))
+            kernel = compiled[-1]
+            name = f"{str(dtype).replace('torch.', '')}_{'split' if blocks else 'whole'}"
+            with tempfile.TemporaryDirectory() as tmp:
+                report, lines = assemble(ptxas, kernel.asm["ptx"], os.path.join(tmp, "k.cubin"))
+            n_atomics, predicates = atomic_predicates(kernel.asm["ptx"])
+            atomics_ok = (n_atomics > 0 and len(predicates) == 1 and "" not in predicates
+                          if blocks else n_atomics == 0)
+            print(f"{name:20s} shared {kernel.metadata.shared} B | " + " | ".join(lines)
+                  + f" | atomics {n_atomics} under {len(predicates)} predicate(s)"
+                  + ("" if atomics_ok else " UNEXPECTED"))
+            ok &= report.returncode == 0 and atomics_ok
+    return ok
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--site", help="a site-packages that provides torch and dgemma_sampler, "
@@ -64,6 +129,8 @@ def main() -> None:
                     "of each innermost loop that issues a wgmma (the consumer warpgroups' K loops: "
                     "instructions per warp and K step)")
     ap.add_argument("--dtypes", default="float32,bfloat16,float16", help="logits dtypes to compile")
+    ap.add_argument("--row-stats", action="store_true", help="compile the row-statistics kernel "
+                    "(unsplit and split walk) instead of the GEMM")
     args = ap.parse_args()
     if args.site:
         site.addsitedir(args.site)
@@ -96,6 +163,12 @@ def main() -> None:
     run = JITFunction.run
     JITFunction.run = lambda self, *a, grid, warmup, **kw: run(self, *a, grid=grid, warmup=True, **kw)
 
+    from triton.backends.nvidia.compiler import get_ptxas
+    ptxas = get_ptxas(90).path  # the ptxas this Triton compiles sm_90 with
+    print(f"triton {triton.__version__}, {ptxas}")
+    if args.row_stats:
+        sys.exit(0 if compile_row_stats(args, ptxas) else 1)
+
     from dgemma_sampler.kernels import soft_embedding as se
     if args.variant:
         sys.path.insert(0, HERE)
@@ -108,9 +181,6 @@ def main() -> None:
         spec.loader.exec_module(wg)
     else:
         from dgemma_sampler.kernels import soft_embedding_wgmma as wg
-    from triton.backends.nvidia.compiler import get_ptxas
-    ptxas = get_ptxas(90).path  # the ptxas this Triton compiles sm_90 with
-    print(f"triton {triton.__version__}, {ptxas}")
     n, v, h = 8192, 4096, 2816  # the real row count and hidden size; any vocabulary compiles alike
     failed = False
     for dtype in (getattr(torch, name) for name in args.dtypes.split(",")):
@@ -127,14 +197,8 @@ def main() -> None:
                                scratch=inv_t, placeholder=inv_t)
             name = f"{str(dtype).replace('torch.', '')}{'_threshold' if threshold is not None else ''}"
             with tempfile.TemporaryDirectory() as tmp:
-                ptx = os.path.join(tmp, "k.ptx")
-                with open(ptx, "w") as f:
-                    f.write(kernel.asm["ptx"])
                 cubin = os.path.join(tmp, "k.cubin")
-                report = subprocess.run([ptxas, "-v", "-arch=sm_90a", ptx, "-o", cubin],
-                                        capture_output=True, text=True)
-                lines = [line.split(":", 1)[-1].strip() for line in (report.stdout + report.stderr).splitlines()
-                         if any(k in line for k in ("Used", "spill", "arning", "rror", "fatal"))]
+                report, lines = assemble(ptxas, kernel.asm["ptx"], cubin)
                 print(f"{name:20s} shared {kernel.metadata.shared} B | " + " | ".join(lines))
                 failed |= report.returncode != 0
                 cuobjdump = os.path.join(os.path.dirname(ptxas), "cuobjdump")
