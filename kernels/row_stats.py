@@ -56,20 +56,21 @@ one-warp programs fit on an SM, 4 per scheduler). Three things keep each warp bu
   fp32 logits gain where few rows leave few warps per SM (1 request: two one-warp programs
   per SM, 0.268 -> 0.173 ms) and lose nothing at 32 requests, where register prefetch
   already reads at the copy bandwidth (``row_stats-h200-v25-few-rows.log``).
-* Split walk (``PARTS``, config ``part_blocks``; off by default until the device has timed
-  it): at 1 request the 256 rows give two one-warp programs per SM, too few to keep the
-  memory busy whatever each one does. Each row's walk is then cut into parts of
-  ``part_blocks`` sampling blocks, one program each. A part walks exactly as the whole row
-  would, except that its running maximum starts afresh; it files its row state (max,
-  arg-max, sums, NaN flag, best block key and column) in a scratch slot and counts itself in
-  on a per-row counter. The part that arrives last merges the parts in vocabulary order
-  (``_merge_partials``), runs stage b and writes the row, and puts the counter back to zero
-  (so a CUDA graph replays it). Every scalar atomic of a program is issued by its thread 0
-  with acq_rel semantics (sm_90 PTX, Triton 3.6 and 3.9), so that the counting in orders
-  the slot writes before the merger's reads. The split depends on the config and the row
-  length only, never on the number of rows, so a request's bits stay independent of its
-  batch. A plain max / sum-exp stream over 256 rows with 4 parts went from 0.116 to
-  0.075 ms (fp32) and 0.110 to 0.051 ms (bf16) (``proto_row_stream-h200-split.log``).
+* Split walk (``PARTS``, config ``part_blocks``; by default 32 blocks for fp32 logits, off
+  for 16-bit ones, see ``default_config``): at 1 request the 256 rows give two one-warp
+  programs per SM, too few to keep the memory busy whatever each one does. Each row's walk
+  is then cut into parts of ``part_blocks`` sampling blocks, one program each. A part walks
+  exactly as the whole row would, except that its running maximum starts afresh; it files
+  its row state (max, arg-max, sums, NaN flag, best block key and column) in a scratch slot
+  and counts itself in on a per-row counter. The part that arrives last merges the parts in
+  vocabulary order (``_merge_partials``), runs stage b and writes the row, and puts the
+  counter back to zero (so a CUDA graph replays it). Every scalar atomic of a program is
+  issued by its thread 0 with acq_rel semantics (sm_90 PTX, Triton 3.6 and 3.9), so that the
+  counting in orders the slot writes before the merger's reads. The split depends on the
+  config and the row length only, never on the number of rows, so a request's bits stay
+  independent of its batch. A plain max / sum-exp stream over 256 rows with 4 parts went
+  from 0.116 to 0.075 ms (fp32) and 0.110 to 0.051 ms (bf16)
+  (``proto_row_stream-h200-split.log``).
 
 On an H200 at 32 requests (``bench/results/row_stats-h200-v11.log`` ... ``-v13.log``) groups
 took fp32 from 2.46 to 1.97 ms (4.35 TB/s, the copy bandwidth) and bf16 from 2.05 to
@@ -844,11 +845,17 @@ def default_config(logits: torch.Tensor) -> dict:
     # the order of the per-lane sums and so the entropy bits (diag_walk_bits-h200.log); the
     # stage count changes no bit. The descriptor costs ~65 us of host time per launch
     # (row_stats-h200-v25-host.log).
-    # The split walk (part_blocks, see the module docstring) is compiled and checked on the
-    # CPU but not yet timed on the device: off.
+    # The split walk (part_blocks, see the module docstring) is set by the dtype alone, never
+    # by the number of rows (the bits of a request may not depend on its batch). fp32 with
+    # sampling, parts of 32 sampling blocks: 0.173 -> 0.116 ms at 1 request, 0.181 -> 0.159
+    # at 2, at the cost of 0.263 -> 0.283 at 4 and 1.984 -> 2.017 ms at 32 (+1.7%); 16 blocks
+    # are faster at 1 request (0.105) and slower from 2 on. bf16 would gain as much at 1
+    # request (0.163 -> 0.106 ms) but lose 14% at 32 (1.161 -> 1.322 ms): unsplit
+    # (row_stats-h200-v26-parts.log).
+    fp32 = logits.element_size() == 4
     return dict(block=256, num_warps=1, group=4, prefetch=1, num_stages=1, maxnreg=None,
-                fast_exp2=True, key_buffer=64, tma=True, part_blocks=None,
-                tma_stages=3 if logits.element_size() == 4 else 4)
+                fast_exp2=True, key_buffer=64, tma=True, part_blocks=32 if fp32 else None,
+                tma_stages=3 if fp32 else 4)
 
 
 def _tma_walk(logits: torch.Tensor, cfg: dict, block: int, aligned: bool) -> bool:
