@@ -8,14 +8,17 @@
                                 logits-free parts (``update_graph.py``); default on CUDA.
 ``DGEMMA_SOFT_EMBEDDING_WGMMA`` ``0`` keeps the soft-embedding GEMM on the portable Triton
                                 kernel where the Hopper (Gluon, wgmma) kernel would run.
-``DGEMMA_SOFT_EMBEDDING_TUNE``  ``0`` turns off the one-time timing of the soft-embedding
-                                tile configurations (the default configuration runs).
+``DGEMMA_SOFT_EMBEDDING_TUNE``  ``0`` skips the one-time check of the soft-embedding tile
+                                configurations for register spills (the first that fits
+                                runs).
 ``TRITON_INTERPRET``            Triton's own: ``1`` runs the kernels through the interpreter
                                 on CPU tensors (tests and the demo on a machine without a
                                 GPU).
 =============================== ==========================================================
 
 Values are read when asked for, not at import, so a test or a launcher may set them late.
+The kernels read none of them (except Triton's own ``TRITON_INTERPRET``): the callers in this
+package (``ops``, ``sampler``) turn them into explicit arguments.
 """
 
 from __future__ import annotations

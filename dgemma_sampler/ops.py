@@ -8,16 +8,14 @@ tensors and the PyTorch oracle elsewhere.
 
 from __future__ import annotations
 
-import functools
-import os
+import numbers
 
 import torch
 
-from . import reference
-from .reference import RowStats
+from . import envs, reference
+from .kernels.contract import FLOAT_DTYPES, RowStats, cuda_capability  # noqa: F401 (re-exported)
 
 BACKENDS = ("auto", "triton", "torch")
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -25,24 +23,12 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
         return "triton" if device.type == "cuda" else "torch"
-    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if backend == "triton" and device.type != "cuda" and not envs.triton_interpret():
         raise ValueError(
             "backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 to run the kernels "
             f"through the interpreter on the CPU; got tensors on {device}"
         )
     return backend
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
-def cuda_capability(device: torch.device) -> tuple[int, int]:
-    """``torch.cuda.get_device_capability`` of a CUDA device, cached: the launch wrappers ask
-    on every call, and the uncached query takes ~8 us of host time (H200 host)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _capability(index)
 
 
 def same_device(a: torch.device, b: torch.device) -> bool:
@@ -100,6 +86,27 @@ def _check_request_params(logits, temperature, seeds, draws, top_k, top_p, allow
         check_tensor("allowed", allowed, dim=2, dtypes=(torch.bool,), device=dev, shape=(r, vocab))
 
 
+def _check_softcap(softcap) -> None:
+    if softcap is not None and not (isinstance(softcap, numbers.Real) and not isinstance(softcap, bool)
+                                    and 0 < softcap < float("inf")):
+        raise ValueError(f"softcap must be None or a finite float > 0, got {softcap!r}")
+
+
+def _contiguous_mask(allowed: torch.Tensor | None) -> torch.Tensor | None:
+    """The kernels read ``allowed`` rows as contiguous runs of the vocabulary."""
+    return None if allowed is None else allowed.contiguous()
+
+
+def triton_soft_embedding_rows(*args, **kwargs) -> torch.Tensor:
+    """``kernels.soft_embedding.soft_embedding_rows`` with the switches of the environment
+    (``envs``: the Hopper kernel, the tile-config check), read on every call."""
+    from .kernels.soft_embedding import soft_embedding_rows
+
+    kwargs.setdefault("wgmma", None if envs.soft_embedding_wgmma() else False)
+    kwargs.setdefault("tune", envs.soft_embedding_tune())
+    return soft_embedding_rows(*args, **kwargs)
+
+
 def _flat_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     r, w, vocab = logits.shape
     dev = logits.device
@@ -143,12 +150,11 @@ def row_stats(
     """
     _check_logits(logits)
     _check_request_params(logits, temperature, seeds, draws, top_k, top_p, allowed)
-    if softcap is not None and not (softcap > 0 and softcap != float("inf")):
-        raise ValueError(f"softcap must be None or a finite float > 0, got {softcap!r}")
+    _check_softcap(softcap)
     reference.check_sample_block(sample_block)
     r, w, vocab = logits.shape
     flat, request, position = _flat_rows(logits)
-    kwargs = dict(softcap=softcap, top_k=top_k, top_p=top_p, allowed=allowed,
+    kwargs = dict(softcap=softcap, top_k=top_k, top_p=top_p, allowed=_contiguous_mask(allowed),
                   sample_block=sample_block)
     if resolve_backend(backend, logits.device) == "triton":
         from .kernels.row_stats import row_stats_rows as run
@@ -189,6 +195,8 @@ def soft_embedding(
     if not embed_weight.is_contiguous():
         raise ValueError("embed_weight must be contiguous")
     v_local, hidden = embed_weight.shape
+    if isinstance(vocab_start, bool) or not isinstance(vocab_start, int):
+        raise TypeError(f"vocab_start must be an int, got {type(vocab_start).__name__}")
     if not (0 <= vocab_start and vocab_start + v_local <= vocab):
         raise ValueError(
             f"embed_weight rows [vocab_start={vocab_start}, +{v_local}) must lie inside the "
@@ -200,8 +208,12 @@ def soft_embedding(
         check_tensor("threshold", threshold, dtypes=(torch.float32,), device=dev, shape=(r, w))
     if allowed is not None:
         check_tensor("allowed", allowed, dim=2, dtypes=(torch.bool,), device=dev, shape=(r, vocab))
-    if isinstance(normalizer, torch.Tensor) and normalizer.numel() != 1:
-        raise ValueError(f"normalizer must be a scalar, got shape {tuple(normalizer.shape)}")
+    if isinstance(normalizer, torch.Tensor):
+        if normalizer.numel() != 1:
+            raise ValueError(f"normalizer must be a scalar, got shape {tuple(normalizer.shape)}")
+    elif isinstance(normalizer, bool) or not isinstance(normalizer, (int, float)):
+        raise TypeError(f"normalizer must be a float or a 1-element tensor, got {type(normalizer).__name__}")
+    _check_softcap(softcap)
     if out is not None:
         check_tensor("out", out, dtypes=(torch.float32,), device=dev, shape=(r, w, hidden))
         if out.stride(2) != 1 or out.stride(0) != w * out.stride(1):
@@ -211,10 +223,10 @@ def soft_embedding(
     kwargs = dict(
         keep=None if keep is None else keep.reshape(-1),
         threshold=None if threshold is None else threshold.reshape(-1),
-        allowed=allowed, vocab_start=vocab_start, softcap=softcap, out=out_flat,
+        allowed=_contiguous_mask(allowed), vocab_start=vocab_start, softcap=softcap, out=out_flat,
     )
     if resolve_backend(backend, dev) == "triton":
-        from .kernels.soft_embedding import soft_embedding_rows as run
+        run = triton_soft_embedding_rows
     else:
         run = reference.soft_embedding_rows
     res = run(flat, request, temperature, lse.reshape(-1), embed_weight, normalizer, **kwargs)

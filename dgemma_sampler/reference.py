@@ -56,42 +56,16 @@ starts on a sampling-block boundary, computes the same block keys).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
 from . import keyed_noise
 from .keyed_noise import Stream
+# The result type, the sampling-block size (step 5a) and the inverse temperature (step 4) are
+# the contract with the kernels; defined beside them, re-exported here.
+from .kernels.contract import SAMPLE_BLOCK, RowStats, inverse_temperature  # noqa: F401
 
 FLT_MAX = torch.finfo(torch.float32).max
-GREEDY_CLAMP = 1e-10
-# Vocabulary positions per sampling block (docstring, step 5a). A power of two; part of the
-# sampling semantics (changing it changes which token a seed draws), not a tuning knob.
-SAMPLE_BLOCK = 4096
-
-
-@dataclass
-class RowStats:
-    """Per-row statistics. All tensors share the leading shape of the logits rows."""
-
-    argmax: torch.Tensor  # int64
-    sample: torch.Tensor  # int64
-    entropy: torch.Tensor  # float32
-    lse: torch.Tensor  # float32, logsumexp of z (temperature-scaled, masked)
-    threshold: torch.Tensor  # float32, keep x >= threshold (-inf: no top-k/top-p)
-    has_nan: torch.Tensor  # bool
-
-    def view(self, *shape: int) -> "RowStats":
-        return RowStats(*(t.view(*shape) for t in self.as_tuple()))
-
-    def as_tuple(self) -> tuple[torch.Tensor, ...]:
-        return (self.argmax, self.sample, self.entropy, self.lse, self.threshold, self.has_nan)
-
-
-def inverse_temperature(temperature: torch.Tensor) -> torch.Tensor:
-    """``1 / max(T, 1e-10)`` in fp32, computed once so every backend multiplies by it."""
-    # reciprocal() is what ``1.0 / t`` runs (then times 1.0): the same bits, one launch fewer.
-    return temperature.to(torch.float32).clamp(min=GREEDY_CLAMP).reciprocal()
 
 
 def softcapped(x: torch.Tensor, softcap: float | None) -> torch.Tensor:

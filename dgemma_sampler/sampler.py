@@ -21,7 +21,6 @@ Transient bytes per request (the budget formula, ``bytes_per_request``):
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import reference
+from . import envs, reference
 from .config import SamplerConfig
 from .ops import FLOAT_DTYPES, check_tensor, resolve_backend
 from .state import DiffusionState, to_device_int64
@@ -63,9 +62,9 @@ def backend_functions(backend: str):
     if backend == "triton":
         from .kernels.logprobs import token_logprobs_rows
         from .kernels.row_stats import row_stats_rows
-        from .kernels.soft_embedding import soft_embedding_rows
+        from .ops import triton_soft_embedding_rows
 
-        return row_stats_rows, soft_embedding_rows, token_logprobs_rows
+        return row_stats_rows, triton_soft_embedding_rows, token_logprobs_rows
     return reference.row_stats_rows, reference.soft_embedding_rows, reference.token_logprobs_rows
 
 
@@ -124,7 +123,7 @@ class DiffusionSampler:
         self.budget_bytes = budget_bytes
         self.hidden_tile_bytes = hidden_tile_bytes
         if graph_update is None:
-            graph_update = state.device.type == "cuda" and os.environ.get("DGEMMA_GRAPH_UPDATE") != "0"
+            graph_update = state.device.type == "cuda" and envs.graph_update()
         elif graph_update and state.device.type != "cuda":
             raise ValueError("graph_update needs a CUDA device")
         self.graph_update = bool(graph_update)

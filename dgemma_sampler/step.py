@@ -27,18 +27,15 @@ update is ``update_after_stats``, which reads no logits.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
+from . import envs
 from .keyed_noise import Stream, random_tokens
 from .reference import RowStats
-
-if TYPE_CHECKING:  # (update_graph imports this module)
-    from .update_graph import UpdateGraph
 
 NOISE_STREAMS = (Stream.RENOISE, Stream.CANVAS)
 
@@ -52,6 +49,21 @@ class StepOutput:
     just_converged: torch.Tensor  # [n] bool: denoise steps that converged
     stats: RowStats  # [n, W] per-position statistics (phantom positions filled in)
     logprobs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+class UpdateRunner(Protocol):
+    """How ``decode_step`` runs its logits-free parts for a caller (``update_graph.UpdateGraph``
+    replays them from CUDA graphs); by default they are called directly."""
+
+    def prologue(self, fn: Callable[[], tuple], device: torch.device) -> tuple:
+        """``fn()``: the per-request gathers."""
+
+    def __call__(self, update: Callable[..., tuple[StepOutput, torch.Tensor | None]],
+                 flat: RowStats) -> tuple[StepOutput, torch.Tensor | None]:
+        """``update(flat)``: the state update."""
+
+    def detach(self, out: StepOutput) -> StepOutput:
+        """The step's output in memory of its own."""
 
 
 def row_layout(row_starts: torch.Tensor, valid_len: torch.Tensor, num_rows: int):
@@ -168,7 +180,7 @@ def use_triton_noise(device: torch.device, noise_backend: str = "auto") -> bool:
         raise ValueError(f"noise_backend must be 'auto', 'triton' or 'torch', got {noise_backend!r}")
     if device.type == "cuda":
         return True
-    return noise_backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
+    return noise_backend == "triton" and envs.triton_interpret()
 
 
 def noise_canvases(seeds: torch.Tensor, draws: torch.Tensor, width: int, vocab_size: int,
@@ -322,7 +334,7 @@ def decode_step(
     sc_reduce: Callable[[torch.Tensor], None] | None = None,
     layout: StepLayout | None = None,
     noise_backend: str = "auto",
-    update_runner: UpdateGraph | None = None,
+    update_runner: UpdateRunner | None = None,
 ) -> StepOutput:
     """Run one decode step for the requests in ``slots`` (device tensors, no host sync).
 
@@ -334,10 +346,11 @@ def decode_step(
     tensor-parallel ranks (in place) when the embedding is a vocabulary slice.
     ``layout`` is the batch's ``step_layout`` when the caller keeps one (built here
     otherwise); ``noise_backend`` picks the random-canvas implementation (``use_triton_noise``).
-    ``update_runner`` (``update_graph.UpdateGraph``) runs the step's logits-free parts for
-    the caller, from CUDA graphs: ``prologue(fn, device)`` the per-request gathers,
-    ``update_runner(update, flat)`` the state update (``update_after_stats``) and
-    ``detach(out)`` hands the output over; by default they are called directly.
+    ``update_runner`` (an ``UpdateRunner``: ``update_graph.UpdateGraph``) runs the step's
+    logits-free parts for the caller, from CUDA graphs: ``prologue(fn, device)`` the
+    per-request gathers, ``update_runner(update, flat)`` the state update
+    (``update_after_stats``) and ``detach(out)`` hands the output over; by default they are
+    called directly.
     """
     n = slots.numel()
     n_rows, cols = logits.shape

@@ -4,10 +4,9 @@ Around the two kernels that read the logits a step runs ~60 small PyTorch operat
 them the per-request gathers (temperature, seeds, draws), between them the state update
 (padding, acceptance sort, renoise, ring, convergence, commit bookkeeping; see
 ``step.update_after_stats``). Each costs the host 15-25 us to dispatch and the GPU ~1-2 us to
-run, so with few requests the eager step is bound by the host: at 1 request on an H200 it
-took 2.96 ms of host time, 2.03 ms of it outside the two kernels' calls, for 1.18 ms of
-kernels, and the GEMM, which needs the update's ``keep``, waited behind that host work
-(``bench/results/profile_step-h200-v3.log``).
+run, so with few requests the eager step is bound by the host: most of its host time is spent
+outside the two kernels' calls, and the GEMM, which needs the update's ``keep``, waits behind
+that host work.
 
 Neither part reads the logits: the gathers read the persistent state, the update the flat
 statistics, the state and the batch's layout. So each is captured once per tile plan and
@@ -25,8 +24,7 @@ to step):
 A plan is captured on its second use (``CAPTURE_AFTER``): a batch shape that occurs once pays
 nothing, and every kernel the parts launch has been compiled by then. Replays are
 bit-identical to the eager parts (same kernels, same order). Launching a graph is not free
-either (``cudaGraphLaunch`` of the update took ~0.19 ms of host time under the torch profiler
-on the H200, ``profile_step-h200-v5.log``), but it is one call.
+either (``cudaGraphLaunch`` costs host time too), but it is one call.
 """
 
 from __future__ import annotations

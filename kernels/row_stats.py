@@ -6,7 +6,7 @@ numbers per row. Semantics: ``dgemma_sampler.reference.row_stats_rows`` (masking
 all-masked rows, greedy rows, lowest id on ties, the two sampling stages).
 
 Statistics, with ``z = x * inv_t`` (``inv_t`` computed once per request on the host side by
-``reference.inverse_temperature``, so ``z`` is bit-identical to the oracle's), per
+``contract.inverse_temperature``, so ``z`` is bit-identical to the oracle's), per
 vocabulary block, relative to the row's running maximum ``m``::
 
     bm = max z over the block
@@ -27,8 +27,10 @@ block's sum NaN (``2^NaN``, or ``inf - inf``), and a sampling block whose sum is
 read again on a clean path that masks NaN, clamps +inf to FLT_MAX and flags the row, the
 reference semantics. ``-inf`` (masked) entries give ``2^-inf = 0`` and a clamped ``u``.
 
-One warp per row, and what bounds it is latency, not arithmetic (at ~128 registers, 16
-one-warp programs fit on an SM, 4 per scheduler). Three things keep each warp busy:
+Traffic: the pass reads each logit once (plus one sampling block again for stage b), so it
+is bound by memory, and its target is the copy bandwidth. One warp per row, and what keeps
+it from that target is latency, not arithmetic (at ~128 registers, 16 one-warp programs fit
+on an SM, 4 per scheduler). What keeps each warp busy:
 
 * Groups: the new-maximum test runs once per group of ``GROUP`` blocks (4 x 256 entries)
   instead of once per block. Its cross-lane max is a chain of five shuffles and a branch
@@ -43,19 +45,12 @@ one-warp programs fit on an SM, 4 per scheduler). Three things keep each warp bu
 * Prefetch: the walk is unrolled per group, each group's buffers reloaded right after it
   is consumed; whole blocks load unmasked from addresses known to be aligned, as 16-byte
   vectors (``_walk_load``).
-* Descriptor walk (``TMA_WALK``, on Hopper): register prefetch keeps only
-  one group (2 KB of bf16) in flight per warp, too little to cover the memory latency at
-  16 warps per SM (Nsight Compute: long-scoreboard stalls on the group's loads, DRAM at
-  63%). With a tensor descriptor over the logits, whole groups load by TMA into shared
-  memory in a loop that Triton pipelines ``TMA_STAGES`` deep, so the bytes in flight no
-  longer cost registers (a plain max and sum-exp stream over bf16 rows ran at 3.70 TB/s
-  this way against 2.75 TB/s with register prefetch,
-  ``bench/results/proto_row_stream-h200.log``; the pass with sampling went from 1.46 to
-  1.24 ms at 32 requests, 0.81x the copy bandwidth, ``row_stats-h200-v15.log``). The ragged
-  last group is left to the register walk, whose masked loads give -inf (TMA pads zeros).
-  fp32 logits gain where few rows leave few warps per SM (1 request: two one-warp programs
-  per SM, 0.268 -> 0.173 ms) and lose nothing at 32 requests, where register prefetch
-  already reads at the copy bandwidth (``row_stats-h200-v25-few-rows.log``).
+* Descriptor walk (``TMA_WALK``, on Hopper): register prefetch keeps only one group (2 KB
+  of bf16) in flight per warp, too little to cover the memory latency at 16 warps per SM.
+  With a tensor descriptor over the logits, whole groups load by TMA into shared memory in
+  a loop that Triton pipelines ``TMA_STAGES`` deep, so the bytes in flight no longer cost
+  registers. The ragged last group is left to the register walk, whose masked loads give
+  -inf (TMA pads zeros).
 * Split walk (``PARTS``, config ``part_blocks``; by default 32 blocks for fp32 logits, off
   for 16-bit ones, see ``default_config``): at 1 request the 256 rows give two one-warp
   programs per SM, too few to keep the memory busy whatever each one does. Each row's walk
@@ -68,30 +63,22 @@ one-warp programs fit on an SM, 4 per scheduler). Three things keep each warp bu
   issued by its thread 0 with acq_rel semantics (sm_90 PTX, Triton 3.6 and 3.9), so that the
   counting in orders the slot writes before the merger's reads. The split depends on the
   config and the row length only, never on the number of rows, so a request's bits stay
-  independent of its batch. A plain max / sum-exp stream over 256 rows with 4 parts went
-  from 0.116 to 0.075 ms (fp32) and 0.110 to 0.051 ms (bf16)
-  (``proto_row_stream-h200-split.log``).
+  independent of its batch.
 
-On an H200 at 32 requests (``bench/results/row_stats-h200-v11.log`` ... ``-v13.log``) groups
-took fp32 from 2.46 to 1.97 ms (4.35 TB/s, the copy bandwidth) and bf16 from 2.05 to
-about 1.45 ms.
-
-Why two stages and not one Gumbel-max over the row (this kernel's first version): the
-keyed per-token noise costs a 32-bit hash per entry, about 20 instructions even behind a
-filter, several times the statistics above, and it kept the pass compute-bound at about
-half the copy bandwidth with fp32 logits and a quarter with bf16
-(``bench/results/row_stats-h200-v2.log``). Exact inverse-CDF sampling would need the row's
-total before the search and a second pass. The two-stage draw needs one random number per
-sampling block in the stream, and after the stream it reads the winning block again
-(``SAMPLE_BLOCK`` entries, 1/64 of a 262144 row) for stage b: the per-token Gumbel-max of
-the first version, with its hash filter. There the noise ``G`` (murmur hash, two accurate
-logarithms) is computed only where it can win: ``G = -log E <= -log w`` for the uniform
-``w`` of the hash, so an entry can reach the best key only if ``w <= exp(z - best)``; one
-compare per entry on the hash (with a relative slack far above every rounding error)
-decides whether a vocabulary block needs the exact noise. The result is exactly the
-Gumbel-max (the test is conservative), so the sample matches the oracle bit for bit up to
-the last ulp of ``log`` and of the block lse (keys closer than that can resolve
-differently; tests check that such differences are near-ties).
+Why two stages and not one Gumbel-max over the row: the keyed per-token noise costs a
+32-bit hash per entry, about 20 instructions even behind a filter, several times the
+statistics above, which makes a one-stage pass compute-bound well below the copy
+bandwidth. Exact inverse-CDF sampling would need the row's total before the search and a
+second pass. The two-stage draw needs one random number per sampling block in the stream,
+and after the stream it reads the winning block again (``SAMPLE_BLOCK`` entries, 1/64 of a
+262144 row) for stage b: a per-token Gumbel-max with a hash filter. There the noise ``G``
+(murmur hash, two accurate logarithms) is computed only where it can win: ``G = -log E <=
+-log w`` for the uniform ``w`` of the hash, so an entry can reach the best key only if ``w
+<= exp(z - best)``; one compare per entry on the hash (with a relative slack far above
+every rounding error) decides whether a vocabulary block needs the exact noise. The result
+is exactly the Gumbel-max (the test is conservative), so the sample matches the oracle bit
+for bit up to the last ulp of ``log`` and of the block lse (keys closer than that can
+resolve differently; tests check that such differences are near-ties).
 
 Rows with top-k / top-p: ``topk_topp.py`` finds the threshold first and, when the kept set
 is small, computes the whole row's statistics from its candidates and marks the row done;
@@ -103,12 +90,10 @@ import torch
 import triton
 import triton.language as tl
 
-from dgemma_sampler import reference
-from dgemma_sampler.ops import cuda_capability
-from dgemma_sampler.reference import RowStats
-
+from . import contract
 from . import keyed_noise as kn
-from .logit_row import (FLT_MAX, LOG2E, NEG_INF, NO_INDEX, U_FLOOR, exp2_ftz, finish_stats,
+from .contract import RowStats, cuda_capability
+from .logit_row import (LOG2E, NEG_INF, NO_INDEX, U_FLOOR, exp2_ftz, finish_stats,
                         interpreting, log1p, scaled, softcapped)
 
 # Largest Gumbel value of keyed_noise: bits = 0 gives E = 2^-33, G = 33 ln 2 = 22.87.
@@ -815,43 +800,23 @@ def _empty_stats(n_rows: int, device: torch.device) -> RowStats:
 
 
 def default_config(logits: torch.Tensor) -> dict:
-    """Launch configuration of the stats pass (``bench/bench_row_stats.py --sweep`` and
-    ``--few-rows`` measure it).
+    """Launch configuration of the stats pass (``bench/bench_row_stats.py --sweep``,
+    ``--few-rows`` and ``--parts`` time the alternatives).
 
     A ``"threshold"`` entry (a dict of ``topk_topp.threshold_rows`` keywords) tunes the top-k /
     top-p search; the CPU tests use it to shrink the candidate buffer.
     """
-    # Measured on an H200 at 32 requests (bench/results/row_stats-h200-v4.log ... -v13.log):
-    # small programs win: one warp per row, 256-entry blocks, the new-maximum test once per
-    # group of 4 blocks (fp32 2.43 -> 1.97 ms, bf16 2.24 -> 1.45 ms against one per block).
-    # Loads run one group ahead: two groups cost registers (bf16: 166 instead of 128 under
-    # Triton 3.6, 12 programs per SM instead of 16; row_stats-h200-v13.log) and lose. A
-    # register cap (maxnreg) spills or loses. The choice must not depend on the
-    # number of rows: the block size sets the summation order of lse and entropy, and a
-    # request's bits may not depend on how the dispatcher tiled the batch
-    # (bench/results/gpu-tests-h200-v3.log caught exactly that). Group, prefetch depth and
-    # key buffer change no bit (tests/test_row_stats_kernel.py::test_walk_shape_changes_no_bit).
-    # Logits of every dtype take the descriptor walk where it applies (``_tma_walk``): one
-    # group in registers is too little in flight (TMA_WALK in the module docstring). bf16
-    # with sampling at 32 requests: 1.456 -> 1.22 ms (row_stats-h200-v15.log). fp32 gains at
-    # few rows, at 3 stages: 0.268 -> 0.173 ms at 1 request, 0.276 -> 0.180 at 2, 0.325 ->
-    # 0.259 at 4, and is within 1.5% of the register walk from 8 requests on (0.506 vs 0.499
-    # ms; 32 requests 1.940 vs 1.951) (row_stats-h200-v25-few-rows.log, -1.log alike).
-    # 4 stages: 0.179 ms at 1 request; 2 stages lose at few rows, and so do two groups of
-    # register prefetch and 2-block groups (row_stats-h200-v24-few-rows.log); bf16 runs at
-    # 3, 4 and 6 stages alike. The walk is chosen by the tensor alone, never by the number
-    # of rows: with a row stride that is not a multiple of 16 elements the register walk
-    # loads one entry per lane (the compiler cannot prove a wider alignment), which changes
-    # the order of the per-lane sums and so the entropy bits (diag_walk_bits-h200.log); the
-    # stage count changes no bit. The descriptor costs ~65 us of host time per launch
-    # (row_stats-h200-v25-host.log).
-    # The split walk (part_blocks, see the module docstring) is set by the dtype alone, never
-    # by the number of rows (the bits of a request may not depend on its batch). fp32 with
-    # sampling, parts of 32 sampling blocks: 0.173 -> 0.116 ms at 1 request, 0.181 -> 0.159
-    # at 2, at the cost of 0.263 -> 0.283 at 4 and 1.984 -> 2.017 ms at 32 (+1.7%); 16 blocks
-    # are faster at 1 request (0.105) and slower from 2 on. bf16 would gain as much at 1
-    # request (0.163 -> 0.106 ms) but lose 14% at 32 (1.161 -> 1.322 ms): unsplit
-    # (row_stats-h200-v26-parts.log).
+    # Small programs: one warp per row, 256-entry blocks, the new-maximum test once per
+    # group of 4 blocks, loads one group ahead (two groups cost registers, hence programs per
+    # SM). Every dtype takes the descriptor walk where it applies (``_tma_walk``), 3 stages
+    # for fp32 and 4 for 16-bit logits. fp32 logits split the walk into parts of 32 sampling
+    # blocks (``vocabulary_parts``): it fills the GPU at few requests for a few percent at
+    # many; 16-bit logits lose more at many requests than they gain at few, and stay whole.
+    # Nothing here may depend on the number of rows: the block size, the walk (register or
+    # descriptor: their per-lane sums run in another order) and the split set the rounding
+    # of lse and entropy, and a request's bits may not depend on how the dispatcher tiled the
+    # batch. Group, prefetch depth, key buffer and stage count change no bit
+    # (tests/test_row_stats_kernel.py::test_walk_shape_changes_no_bit).
     fp32 = logits.element_size() == 4
     return dict(block=256, num_warps=1, group=4, prefetch=1, num_stages=1, maxnreg=None,
                 fast_exp2=True, key_buffer=64, tma=True, part_blocks=32 if fp32 else None,
@@ -924,21 +889,23 @@ def row_stats_rows(
     allowed: torch.Tensor | None = None,
     vocab_offset: int = 0,
     column_tokens: torch.Tensor | None = None,
-    chunk_rows: int | None = None,
-    sample_block: int = reference.SAMPLE_BLOCK,
+    sample_block: int = contract.SAMPLE_BLOCK,
     sample_key: torch.Tensor | None = None,
     config: dict | None = None,
     noise_filter: bool = True,
 ) -> RowStats:
-    """Triton twin of ``reference.row_stats_rows`` (same arguments, same result).
+    """Triton twin of ``reference.row_stats_rows`` (same arguments, same result; inputs are
+    validated by the caller, ``dgemma_sampler.ops``, and only asserted here). The kernel keeps
+    no per-row temporaries, so unlike the oracle it takes no ``chunk_rows``.
 
-    ``chunk_rows`` is accepted for signature parity and ignored: the kernel keeps no per-row
-    temporaries, so it never needs to tile rows. ``config`` (keys of ``default_config``) and
-    ``noise_filter`` are knobs for the benchmark.
+    ``config``: keys of ``default_config`` to override (the benchmark's sweeps, the tests'
+    small blocks). ``noise_filter=False`` computes stage b's exact noise for every entry
+    instead of behind the hash filter: the same result, slower (a test checks that).
     """
     _check_rows(logits, row_request, row_position, temperature, seeds, draws, top_k, top_p,
                 allowed, vocab_offset, column_tokens)
-    reference.check_sample_block(sample_block)
+    assert sample_block >= 16 and sample_block & (sample_block - 1) == 0, \
+        f"sample_block must be a power of two >= 16, got {sample_block}"
     if sample_key is not None:
         assert sample_key.shape == (logits.shape[0],) and sample_key.dtype == torch.float32 \
             and sample_key.device == logits.device and sample_key.is_contiguous(), \
@@ -953,7 +920,7 @@ def row_stats_rows(
     top_k = top_k.contiguous() if top_k is not None else None
     top_p = top_p.contiguous() if top_p is not None else None
     column_tokens = column_tokens.contiguous() if column_tokens is not None else None
-    inv_t = reference.inverse_temperature(temperature).contiguous()
+    inv_t = contract.inverse_temperature(temperature).contiguous()
     temp32 = temperature.to(torch.float32).contiguous()
     softcap_c = 0.0 if softcap is None else float(softcap)
     done = None

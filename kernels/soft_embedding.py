@@ -26,14 +26,11 @@ Cost model (one H200, rows R = 256 * requests, V = 2^18, H = 2816, fp32 logits)
 * FLOPs ``2 R V H``: 12.1 TFLOP at 32 requests, ~18 ms at cuBLAS's 700 TFLOP/s -> compute-bound.
 * The prologue runs on the same warps that issue the wgmma, so what counts is instructions per
   MMA flop. Each probability feeds ``2 * BLOCK_N`` flops and costs, per entry (SASS, sm_90):
-  FFMA (+ FMUL unless ONE_FMA), FMNMX, MUFU.EX2, half an F2FP pack and half an HMNMX2 (NaN -> 0
-  on the bf16 pair), plus its share of the register -> shared -> register round trip that puts
-  A in the wgmma register layout (Triton cannot hoist that conversion above the fp32 -> bf16 cast).
-  The first version spent ~9.5 instructions per entry (min/sub/max/exp with the subnormal fix-up).
-* E comes through TMA (no per-thread addresses: ~110 integer instructions per K step less at
-  BLOCK_K 64), logits too when the rows are not permuted by ``keep``.
-* Loop body per warp and K step, instructions (one_fma / exact), 2 warps per SM sub-partition:
-  128 x 256 x 64: ~280 / 310 per 1024 tensor-core cycles; 64 x 512 x 64: ~200 / 220 per 1024.
+  FMUL, FFMA, FMNMX, MUFU.EX2, half an F2FP pack and half an HMNMX2 (NaN -> 0 on the bf16
+  pair), plus its share of the register -> shared -> register round trip that puts A in the
+  wgmma register layout (Triton cannot hoist that conversion above the fp32 -> bf16 cast).
+* Both operands come by pointer loads, pipelined ``num_stages`` deep by Triton; the address
+  arithmetic adds integer instructions to every K step (the Gluon kernel loads by TMA).
   ``BLOCK_K / 16`` wgmma per step with ``BLOCK_K / 16 - 1`` in flight while the next prologue runs.
 * Bytes from L2 per MMA flop: ``4/(2 BLOCK_N)`` (fp32 logits) + ``2/(2 BLOCK_M)`` (bf16 E): 128 x 256
   moves the least (64 KB per 1024 cycles), 64 x 512 halves the exps per flop for 25% more traffic.
@@ -58,9 +55,8 @@ consistent with them if both kernels compute the same fp32 ``z``. Without a soft
 construction (one fp32 multiply by the same ``inv_t``). With a softcap it needs the same tanh code:
 at T = 0 (inv_t = 1e10) a 1-ulp difference in softcap(x) moves z by thousands of nats, and a token
 sitting exactly at a top-k/top-p threshold can flip sides. Hence ``logit_row.softcapped``, the
-helper every row kernel shares. The one-FFMA prologue (``TileConfig.one_fma``) skips z's rounding
-only in tiles where that moves p by < 2e-4 relative (``|lse| log2(e) < 1024``); greedy and other
-steep tiles run the exact loop, so a greedy row still gives exactly ``E[argmax]``.
+helper every row kernel shares, and ``z`` rounded to fp32 before its exponent is formed (a greedy
+row then gives exactly ``E[argmax]``).
 
 On Hopper the common case (no ``allowed`` mask, no softcap, TMA-addressable logits, a 16-bit E)
 runs ``soft_embedding_wgmma.py`` instead: the same math and schedule in Gluon, which keeps the
@@ -76,20 +72,17 @@ the K loop and store zeros; within the last live M-tile, dropped rows are masked
 from __future__ import annotations
 
 import math
-import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
-from triton.tools.tensor_descriptor import TensorDescriptor
 
-from dgemma_sampler import reference
-from dgemma_sampler.ops import FLOAT_DTYPES, check_tensor
-
+from . import contract
 from .logit_row import exp2_ftz as _exp2
 from .logit_row import interpreting, softcapped
+from .tile_schedule import tile_of_program
 
 MAX_SCRATCH_BYTES = 32 * 2**20  # split-K partials beyond the output: at most 32 MiB
 MIN_K_BLOCKS_PER_PIECE = 8  # a split-K piece shorter than this is all prologue and epilogue
@@ -107,40 +100,6 @@ def _rounded_as_fp32(p, dtype: tl.constexpr):
         return bits.to(tl.float32, bitcast=True)
     else:
         return p.to(dtype).to(tl.float32)
-
-
-@triton.jit
-def _tile_of_program(pid, n_tiles_n, dp_head, tail_tiles, split):
-    """Program id -> (M-tile, N-tile, index among the tail tiles, split piece, pieces of the tile).
-
-    Programs [0, dp_head) take tiles [0, dp_head) whole; the next tail_tiles * split programs are
-    the pieces of tiles [dp_head, dp_head + tail_tiles), piece-major so that the programs running
-    together share a vocabulary range; the rest take the remaining tiles whole.
-    """
-    tail_pieces = tail_tiles * split
-    q = pid - dp_head
-    in_tail = (q >= 0) & (q < tail_pieces)
-    safe_tail = tl.maximum(tail_tiles, 1)
-    tile = tl.where(in_tail, dp_head + q % safe_tail, tl.where(q < 0, pid, pid - tail_pieces + tail_tiles))
-    piece = tl.where(in_tail, q // safe_tail, 0)
-    pieces = tl.where(in_tail, split, 1)
-    return tile // n_tiles_n, tile % n_tiles_n, tile - dp_head, piece, pieces
-
-
-@triton.jit
-def _grouped_tile(m_tile, n_tile, dp_head, n_tiles_n, GROUP: tl.constexpr):
-    """A whole tile of ``_tile_of_program`` -> the tile its program takes instead: in each group
-    of ``GROUP`` M-tiles x all N-tiles (tiles below ``dp_head`` only), the M-tile fastest, so
-    that the ``GROUP`` programs sharing an E tile are consecutive. A group that does not fit
-    whole below ``dp_head``, and the tail, keep their tiles. (The Gluon kernel's order: which
-    programs run side by side changes what the L2 serves them; see soft_embedding_wgmma.)"""
-    tile = m_tile * n_tiles_n + n_tile  # the program id for a whole tile; >= dp_head in the tail
-    group_tiles = GROUP * n_tiles_n
-    group = tile // group_tiles
-    within = tile % group_tiles
-    regroup = (tile < dp_head) & ((group + 1) * group_tiles <= dp_head)
-    return (tl.where(regroup, group * GROUP + within % GROUP, m_tile),
-            tl.where(regroup, within // GROUP, n_tile))
 
 
 @triton.jit
@@ -197,41 +156,23 @@ def _neg_lse2(lse):
     return -tl.where(residual < 0, below, lse2)
 
 
-# |lse * log2(e)| below which one FFMA ``x * (inv_t log2e) - lse log2e`` is within 2^-12 of the
-# exact exponent (error ~ |lse2| 2^-22): p to 2e-4 relative, far inside bf16's 2^-9.
-ONE_FMA_MAX_LSE2 = tl.constexpr(1024.0)
-
-
 @triton.jit
-def _one_fma_accurate(neg_lse2):
-    """Whether the one-FFMA prologue is accurate for all of these rows (``[ROWS]``
-    ``-lse log2 e``, -inf on rows not computed): ``|lse2| < ONE_FMA_MAX_LSE2`` on every live
-    row. Both GEMM kernels decide by it, uniform per tile (per warpgroup in the Gluon one)."""
-    return tl.max(tl.where(neg_lse2 > float("-inf"), tl.abs(neg_lse2), 0.0), 0) < ONE_FMA_MAX_LSE2
-
-
-@triton.jit
-def _probabilities(x, inv_t, inv_t2, neg_lse2, threshold, allowed, SOFTCAP: tl.constexpr,
-                   HAS_THRESHOLD: tl.constexpr, HAS_ALLOWED: tl.constexpr, ONE_FMA: tl.constexpr,
-                   INTERPRET: tl.constexpr):
+def _probabilities(x, inv_t, neg_lse2, threshold, allowed, SOFTCAP: tl.constexpr,
+                   HAS_THRESHOLD: tl.constexpr, HAS_ALLOWED: tl.constexpr, INTERPRET: tl.constexpr):
     """``exp(z - lse)`` of a logits tile, clamped to ``p <= 1``; 0 where masked, NaN where the
     logit is NaN (``_nan_to_zero`` zeroes those after the cast to the MMA dtype).
 
     ``z = x * inv_t`` is the fp32 product the row-statistics pass computed; then in base 2
-    ``d2 = z * log2e + neg_lse2`` (FMUL + FFMA). ``ONE_FMA`` folds the two products into one FFMA,
-    ``d2 = x * inv_t2 + neg_lse2`` with ``inv_t2 = inv_t * log2e``, which skips z's rounding: used
-    only for tiles with ``|lse2| < ONE_FMA_MAX_LSE2`` (never a greedy row, ``|lse| ~ 1e11``).
+    ``d2 = z * log2e + neg_lse2`` (FMUL + FFMA; z is rounded as in the statistics pass, which a
+    greedy row, ``inv_t = 1e10``, needs to get exactly ``E[argmax]``).
     ``min.NaN(d2, 0)`` (NaN stays NaN) replaces the ``z <= FLT_MAX`` clamp: +inf logits give
     ``p = 1``, as ``exp(FLT_MAX - lse)`` with ``lse = FLT_MAX``, and a greedy arg-max's rounding
     residue ``d2 >= 0`` gives exactly 1. ``-inf`` logits and rows not computed (``neg_lse2 =
     -inf``) give ``2^-inf = 0``. Only threshold / allowed need a select. Per entry on the GPU:
-    (FMUL,) FFMA, FMNMX, MUFU.EX2, half an F2FP and half an HMNMX2.
+    FMUL, FFMA, FMNMX, MUFU.EX2, half an F2FP and half an HMNMX2.
     """
     x = softcapped(x.to(tl.float32), SOFTCAP)
-    if ONE_FMA:
-        d2 = tl.fma(x, inv_t2[:, None], neg_lse2[:, None])
-    else:
-        d2 = tl.fma(x * inv_t[:, None], LOG2E, neg_lse2[:, None])
+    d2 = tl.fma(x * inv_t[:, None], LOG2E, neg_lse2[:, None])
     if HAS_THRESHOLD:
         d2 = tl.where(x >= threshold[:, None], d2, float("-inf"))
     if HAS_ALLOWED:
@@ -243,33 +184,27 @@ def _probabilities(x, inv_t, inv_t2, neg_lse2, threshold, allowed, SOFTCAP: tl.c
 
 
 @triton.jit
-def _k_step(acc, kb, x_desc, e_desc, x_ptrs, e_ptrs, a_ptrs, offs_k, live, col_ok, inv_t, inv_t2,
-            neg_lse2, threshold, row0, n_tile, v_local, stride_embed,
+def _k_step(acc, x_ptrs, e_ptrs, a_ptrs, offs_k, live, col_ok, inv_t, neg_lse2, threshold,
+            v_local, stride_embed,
             HAS_THRESHOLD: tl.constexpr, HAS_ALLOWED: tl.constexpr, SOFTCAP: tl.constexpr,
             INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
-            EVEN_N: tl.constexpr, X_TMA: tl.constexpr, E_TMA: tl.constexpr, ONE_FMA: tl.constexpr,
-            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+            EVEN_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One K block: load the logits and E tiles, ``acc += p @ E``, advance the pointers.
 
-    TMA (a tensor descriptor) where the layout allows: no per-thread addresses. E's descriptor
-    ends at [v_local, hidden] and fills with zeros past it, so a ragged last K block multiplies
-    finite p <= 1 by 0 and a ragged last N tile computes zeros. Pointer fast path (EVEN_K,
-    EVEN_N): the only mask is per row, constant along K, so loads stay 16-byte vectors with no
-    fill value to patch in afterwards.
+    Fast path (EVEN_K, EVEN_N): the only mask is per row, constant along K, so loads stay
+    16-byte vectors with no fill value to patch in afterwards. A ragged last K block reads E's
+    missing rows as 0 (times a finite p <= 1) and the logits past the slice as NaN (p = NaN,
+    zeroed by ``_nan_to_zero``).
     """
     allowed = None
-    if E_TMA:
-        e = e_desc.load([kb * BLOCK_K, n_tile * BLOCK_N])
-    elif EVEN_K:
+    if EVEN_K:
         if EVEN_N:
             e = tl.load(e_ptrs)
         else:
             e = tl.load(e_ptrs, mask=col_ok[None, :], other=0.0)
     else:
         e = tl.load(e_ptrs, mask=(offs_k < v_local)[:, None] & col_ok[None, :], other=0.0)
-    if X_TMA:  # the local logits; rows past n_rows read as 0 and have neg_lse2 = -inf: p = 0
-        x = x_desc.load([row0, kb * BLOCK_K])
-    elif EVEN_K:
+    if EVEN_K:
         x = tl.load(x_ptrs, mask=live[:, None])
     else:
         x = tl.load(x_ptrs, mask=live[:, None] & (offs_k < v_local)[None, :], other=float("nan"))
@@ -278,8 +213,8 @@ def _k_step(acc, kb, x_desc, e_desc, x_ptrs, e_ptrs, a_ptrs, offs_k, live, col_o
             allowed = tl.load(a_ptrs, mask=live[:, None], other=0) != 0
         else:
             allowed = tl.load(a_ptrs, mask=live[:, None] & (offs_k < v_local)[None, :], other=0) != 0
-    p = _probabilities(x, inv_t, inv_t2, neg_lse2, threshold, allowed, SOFTCAP, HAS_THRESHOLD,
-                       HAS_ALLOWED, ONE_FMA, INTERPRET)
+    p = _probabilities(x, inv_t, neg_lse2, threshold, allowed, SOFTCAP, HAS_THRESHOLD,
+                       HAS_ALLOWED, INTERPRET)
     if INTERPRET:  # the interpreter's bf16/fp16 tl.dot is wrong: multiply the rounded values in fp32
         acc = tl.dot(_rounded_as_fp32(p, e.dtype), e.to(tl.float32), acc)
     else:
@@ -288,20 +223,14 @@ def _k_step(acc, kb, x_desc, e_desc, x_ptrs, e_ptrs, a_ptrs, offs_k, live, col_o
 
 
 @triton.jit
-def _k_loop(logits_ptr, x_desc, embed_ptr, e_desc, allowed_ptr, row, live, request, inv_t, inv_t2,
-            neg_lse2, threshold, row0, n_tile, kb_begin, kb_end, v_local, hidden, vocab_start,
-            stride_logits, stride_allowed, stride_embed, one_fma,
+def _k_loop(logits_ptr, embed_ptr, allowed_ptr, row, live, request, inv_t, neg_lse2, threshold,
+            n_tile, kb_begin, kb_end, v_local, hidden, vocab_start,
+            stride_logits, stride_allowed, stride_embed,
             HAS_THRESHOLD: tl.constexpr, HAS_ALLOWED: tl.constexpr, SOFTCAP: tl.constexpr,
             INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
-            EVEN_N: tl.constexpr, X_TMA: tl.constexpr, E_TMA: tl.constexpr,
-            ONE_FMA_PROLOGUE: tl.constexpr,
+            EVEN_N: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``sum_k p[rows, k] * E[k, cols]`` over K blocks ``[kb_begin, kb_end)`` of the N tile.
-
-    With ``ONE_FMA_PROLOGUE`` the tile runs either the one-FFMA loop (``one_fma``, uniform) or the
-    exact one: two loops in sequence, one of them empty. (Two loops in the branches of an ``if``
-    would each keep their pipeline buffers: Triton 3.6 does not overlap them in shared memory.)
-    """
+    """``sum_k p[rows, k] * E[k, cols]`` over K blocks ``[kb_begin, kb_end)`` of the N tile."""
     cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
     offs_k = kb_begin * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -312,20 +241,11 @@ def _k_loop(logits_ptr, x_desc, embed_ptr, e_desc, allowed_ptr, row, live, reque
         a_ptrs = allowed_ptr + request[:, None] * stride_allowed + (vocab_start + offs_k)[None, :]
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    kb_exact = kb_begin
-    if ONE_FMA_PROLOGUE:
-        kb_exact = tl.where(one_fma, kb_end, kb_begin)
-        for kb in range(kb_begin, kb_exact):
-            acc, x_ptrs, e_ptrs, a_ptrs, offs_k = _k_step(
-                acc, kb, x_desc, e_desc, x_ptrs, e_ptrs, a_ptrs, offs_k, live, col_ok, inv_t, inv_t2,
-                neg_lse2, threshold, row0, n_tile, v_local, stride_embed, HAS_THRESHOLD, HAS_ALLOWED,
-                SOFTCAP, INTERPRET, DOT_PRECISION, EVEN_K, EVEN_N, X_TMA, E_TMA, True, BLOCK_N,
-                BLOCK_K)
-    for kb in range(kb_exact, kb_end):
+    for _ in range(kb_begin, kb_end):
         acc, x_ptrs, e_ptrs, a_ptrs, offs_k = _k_step(
-            acc, kb, x_desc, e_desc, x_ptrs, e_ptrs, a_ptrs, offs_k, live, col_ok, inv_t, inv_t2,
-            neg_lse2, threshold, row0, n_tile, v_local, stride_embed, HAS_THRESHOLD, HAS_ALLOWED,
-            SOFTCAP, INTERPRET, DOT_PRECISION, EVEN_K, EVEN_N, X_TMA, E_TMA, False, BLOCK_N, BLOCK_K)
+            acc, x_ptrs, e_ptrs, a_ptrs, offs_k, live, col_ok, inv_t, neg_lse2, threshold,
+            v_local, stride_embed, HAS_THRESHOLD, HAS_ALLOWED, SOFTCAP, INTERPRET, DOT_PRECISION,
+            EVEN_K, EVEN_N, BLOCK_K)
     return acc
 
 
@@ -353,22 +273,21 @@ def _store_tile(acc, out_ptr, out_index_ptr, scratch_ptr, row_order_ptr, kept_co
 
 
 @triton.jit
-def _tile(logits_ptr, x_desc, embed_ptr, e_desc, allowed_ptr, out_ptr, out_index_ptr, scratch_ptr,
-          row_order_ptr, kept_count_ptr, row, live, request, inv_t, inv_t2, neg_lse2, threshold, norm,
-          row0, m_tile, n_tile, tail_idx, piece, pieces, tail_tiles, kb_begin, kb_end, n_rows,
+def _tile(logits_ptr, embed_ptr, allowed_ptr, out_ptr, out_index_ptr, scratch_ptr,
+          row_order_ptr, kept_count_ptr, row, live, request, inv_t, neg_lse2, threshold, norm,
+          m_tile, n_tile, tail_idx, piece, pieces, tail_tiles, kb_begin, kb_end, n_rows,
           v_local, hidden, vocab_start, stride_logits, stride_allowed, stride_embed, stride_out,
-          one_fma, HAS_KEEP: tl.constexpr, HAS_THRESHOLD: tl.constexpr, HAS_ALLOWED: tl.constexpr,
+          HAS_KEEP: tl.constexpr, HAS_THRESHOLD: tl.constexpr, HAS_ALLOWED: tl.constexpr,
           HAS_OUT_INDEX: tl.constexpr, SOFTCAP: tl.constexpr, INTERPRET: tl.constexpr,
           DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-          X_TMA: tl.constexpr, E_TMA: tl.constexpr, ONE_FMA_PROLOGUE: tl.constexpr,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
           SCRATCH_N: tl.constexpr):
     """One output tile: the K loop and the store."""
-    acc = _k_loop(logits_ptr, x_desc, embed_ptr, e_desc, allowed_ptr, row, live, request, inv_t,
-                  inv_t2, neg_lse2, threshold, row0, n_tile, kb_begin, kb_end, v_local, hidden,
-                  vocab_start, stride_logits, stride_allowed, stride_embed, one_fma,
+    acc = _k_loop(logits_ptr, embed_ptr, allowed_ptr, row, live, request, inv_t, neg_lse2,
+                  threshold, n_tile, kb_begin, kb_end, v_local, hidden, vocab_start,
+                  stride_logits, stride_allowed, stride_embed,
                   HAS_THRESHOLD, HAS_ALLOWED, SOFTCAP, INTERPRET, DOT_PRECISION, EVEN_K, EVEN_N,
-                  X_TMA, E_TMA, ONE_FMA_PROLOGUE, BLOCK_M, BLOCK_N, BLOCK_K)
+                  BLOCK_M, BLOCK_N, BLOCK_K)
     _store_tile(acc, out_ptr, out_index_ptr, scratch_ptr, row_order_ptr, kept_count_ptr, norm,
                 m_tile, n_tile, tail_idx, piece, pieces, tail_tiles, n_rows, hidden, stride_out,
                 HAS_KEEP, HAS_OUT_INDEX, BLOCK_M, BLOCK_N, SCRATCH_N)
@@ -376,10 +295,9 @@ def _tile(logits_ptr, x_desc, embed_ptr, e_desc, allowed_ptr, out_ptr, out_index
 
 @triton.jit
 def soft_embedding_kernel(
-    # pointers; x_desc, e_desc, e_half_desc: TMA descriptors of logits and embed_weight (E tiles
-    # BLOCK_K x BLOCK_N and BLOCK_K x BLOCK_N / 2) or None
-    logits_ptr, x_desc, row_request_ptr, inv_t_ptr, lse_ptr, threshold_ptr, allowed_ptr,
-    row_order_ptr, kept_count_ptr, embed_ptr, e_desc, e_half_desc, norm_ptr, out_ptr, out_index_ptr,
+    # pointers
+    logits_ptr, row_request_ptr, inv_t_ptr, lse_ptr, threshold_ptr, allowed_ptr,
+    row_order_ptr, kept_count_ptr, embed_ptr, norm_ptr, out_ptr, out_index_ptr,
     scratch_ptr,
     # sizes
     n_rows, v_local, hidden, vocab_start,
@@ -387,19 +305,18 @@ def soft_embedding_kernel(
     stride_logits, stride_allowed, stride_embed, stride_out,
     # scalars
     norm_value,
-    # schedule (see _tile_of_program)
+    # schedule (see tile_schedule.tile_of_program)
     n_tiles_n, dp_head, tail_tiles, split,
     # meta-parameters
     HAS_KEEP: tl.constexpr, HAS_THRESHOLD: tl.constexpr, HAS_ALLOWED: tl.constexpr,
     HAS_OUT_INDEX: tl.constexpr,
     SOFTCAP: tl.constexpr, NORM_IS_TENSOR: tl.constexpr, INTERPRET: tl.constexpr,
     DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-    X_TMA: tl.constexpr, E_TMA: tl.constexpr, HALF_LAST_N: tl.constexpr,
-    ONE_FMA_PROLOGUE: tl.constexpr,
+    HALF_LAST_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # -- program -> output tile and vocabulary range ------------------------------------------
-    m_tile, n_tile, tail_idx, piece, pieces = _tile_of_program(
+    m_tile, n_tile, tail_idx, piece, pieces = tile_of_program(
         tl.program_id(0), n_tiles_n, dp_head, tail_tiles, split)
     row, in_range, live, tile_live = _rows(
         m_tile * BLOCK_M, n_rows, row_order_ptr, kept_count_ptr, HAS_KEEP, BLOCK_M)
@@ -422,31 +339,25 @@ def soft_embedding_kernel(
     else:
         norm = norm_value
 
-    row0 = m_tile * BLOCK_M
-    inv_t2 = inv_t * LOG2E
-    # Uniform per tile: the one-FFMA prologue where it is accurate (see _probabilities).
-    one_fma = False
-    if ONE_FMA_PROLOGUE:
-        one_fma = _one_fma_accurate(neg_lse2)
     if HALF_LAST_N and n_tile == n_tiles_n - 1:
         # H is not a multiple of BLOCK_N and its last tile fits in half of one (H = 2816 =
         # 5.5 x 512): that tile runs half as wide instead of multiplying zeros.
-        _tile(logits_ptr, x_desc, embed_ptr, e_half_desc, allowed_ptr, out_ptr, out_index_ptr,
-              scratch_ptr, row_order_ptr, kept_count_ptr, row, live, request, inv_t, inv_t2, neg_lse2,
-              threshold, norm, row0, m_tile, n_tile * 2, tail_idx, piece, pieces, tail_tiles,
+        _tile(logits_ptr, embed_ptr, allowed_ptr, out_ptr, out_index_ptr,
+              scratch_ptr, row_order_ptr, kept_count_ptr, row, live, request, inv_t, neg_lse2,
+              threshold, norm, m_tile, n_tile * 2, tail_idx, piece, pieces, tail_tiles,
               kb_begin, kb_end, n_rows, v_local, hidden, vocab_start, stride_logits,
-              stride_allowed, stride_embed, stride_out, one_fma,
+              stride_allowed, stride_embed, stride_out,
               HAS_KEEP, HAS_THRESHOLD, HAS_ALLOWED, HAS_OUT_INDEX, SOFTCAP, INTERPRET,
-              DOT_PRECISION, EVEN_K, False, X_TMA, E_TMA, ONE_FMA_PROLOGUE,
+              DOT_PRECISION, EVEN_K, False,
               BLOCK_M, BLOCK_N // 2, BLOCK_K, BLOCK_N)
     else:
-        _tile(logits_ptr, x_desc, embed_ptr, e_desc, allowed_ptr, out_ptr, out_index_ptr,
-              scratch_ptr, row_order_ptr, kept_count_ptr, row, live, request, inv_t, inv_t2, neg_lse2,
-              threshold, norm, row0, m_tile, n_tile, tail_idx, piece, pieces, tail_tiles,
+        _tile(logits_ptr, embed_ptr, allowed_ptr, out_ptr, out_index_ptr,
+              scratch_ptr, row_order_ptr, kept_count_ptr, row, live, request, inv_t, neg_lse2,
+              threshold, norm, m_tile, n_tile, tail_idx, piece, pieces, tail_tiles,
               kb_begin, kb_end, n_rows, v_local, hidden, vocab_start, stride_logits,
-              stride_allowed, stride_embed, stride_out, one_fma,
+              stride_allowed, stride_embed, stride_out,
               HAS_KEEP, HAS_THRESHOLD, HAS_ALLOWED, HAS_OUT_INDEX, SOFTCAP, INTERPRET,
-              DOT_PRECISION, EVEN_K, EVEN_N, X_TMA, E_TMA, ONE_FMA_PROLOGUE,
+              DOT_PRECISION, EVEN_K, EVEN_N,
               BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_N)
 
 
@@ -490,58 +401,39 @@ def split_sum_kernel(
 
 @dataclass(frozen=True)
 class TileConfig:
-    """Output tile ``block_m x block_n``, K step ``block_k``, launch shape, and whether E (and the
-    logits, when rows are not permuted by ``keep``) are loaded through TMA descriptors."""
+    """Output tile ``block_m x block_n``, K step ``block_k``, and launch shape."""
 
     block_m: int
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
-    tma: bool = True
-    one_fma: bool = True
 
     def __str__(self) -> str:
-        return (f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages}"
-                + ("" if self.tma else " ptr") + ("" if self.one_fma else " exact"))
+        return f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages}"
 
 
 # Hopper candidates, the first that fits taken per shape key; one whose kernel spills
-# registers (128 x 256 x 64 TMA with ``keep``: 255 registers) loses to any that does not (checked for sm_90 with Triton 3.6 and
-# 3.9 over logits fp32/bf16/fp16, E bf16/fp16/fp32, keep, threshold, allowed, softcap). The
-# prologue costs 4-5 instructions and one MUFU op per probability and feeds 2 * block_n MMA
-# flops; L2 traffic is 2 / block_n + 1 / block_m bytes per flop (fp32 logits, bf16 E). Hence two
-# shapes whose accumulator is 128 registers per thread:
-# * 128 x 256: 2 warpgroups of 64 x 256, least L2 traffic;
-# * 64 x 512: both warpgroups share the A rows (64 x 256 each), half the exps per flop;
-#   H = 2816 = 5.5 x 512, so the last N tile runs as 64 x 256 (HALF_LAST_N).
+# registers loses to any that does not (checked for sm_90 with Triton 3.6 and 3.9 over logits
+# fp32/bf16/fp16, E bf16/fp16/fp32, keep, threshold, allowed, softcap). The prologue costs 4-5
+# instructions and one MUFU op per probability and feeds 2 * block_n MMA flops; L2 traffic is
+# 2 / block_n + 1 / block_m bytes per flop (fp32 logits, bf16 E). Hence tiles whose accumulator
+# is 128 registers per thread, 128 x 256 (2 warpgroups of 64 x 256, the least L2 traffic).
 # BLOCK_K 64 splits each dot into 4 wgmma (3 in flight while the next prologue runs), 32 into 2.
-# Measured on the H200 (bench/results/soft_embedding-h200-v2*.log): the 64 x 512 tiles gave
-# wrong results under split-K (1 request), every one-FMA/TMA variant was wrong with 16-bit
-# logits (rel. err 3e-2 or NaN), and the tuned TMA kernel was not deterministic run to run at
-# 32 requests. (The 3e-2 "error" of the 16-bit variants there was measured against fp32-logit
-# probabilities, and the pointer/exact kernel shows the same with bf16 logits in
-# soft_embedding-h200-v4.log: it is the rounding of the logits, not a kernel error.) Until the
-# TMA variants are understood the candidates use pointer loads and the exact prologue, which
-# were right and deterministic in every case measured. In order of preference (the first that
-# fits and does not spill is used, the same on every run): 128 x 256 x 64 in 3 stages (65% of
-# cuBLAS at 32 requests, 59% at 1 and 4; soft_embedding-h200-v4.log), then 128 x 256 x 32 in 4
-# stages (60%, 55%, 60%) where the deeper tiles do not fit (fp32 E, an ``allowed`` mask).
+# In order of preference (the first that fits and does not spill is used, the same on every
+# run): 128 x 256 x 64 in 3 stages, then 128 x 256 x 32 in 4 stages where the deeper tiles do
+# not fit (fp32 E, an ``allowed`` mask).
 GPU_CONFIGS = (
-    TileConfig(128, 256, 64, 8, 3, tma=False, one_fma=False),
-    TileConfig(128, 256, 32, 8, 4, tma=False, one_fma=False),
-)
-# Timed by the benchmark's --sweep only: the 64 x 512 tiles, the exact two-instruction prologue
-# everywhere, and pointer loads (cp.async) instead of TMA.
-SWEEP_CONFIGS = GPU_CONFIGS + (
     TileConfig(128, 256, 64, 8, 3),
     TileConfig(128, 256, 32, 8, 4),
+)
+# Timed by the benchmark's --sweep only: 64 x 512 tiles, where both warpgroups share the A rows
+# (64 x 256 each) for half the exps per flop; H = 2816 = 5.5 x 512, so the last N tile runs as
+# 64 x 256 (HALF_LAST_N).
+SWEEP_CONFIGS = GPU_CONFIGS + (
     TileConfig(64, 512, 64, 8, 2),
     TileConfig(64, 512, 64, 8, 3),  # 16-bit logits only (fp32 needs 240 KB of buffers)
     TileConfig(64, 512, 32, 8, 4),
-    TileConfig(64, 512, 64, 8, 2, one_fma=False),
-    TileConfig(128, 256, 64, 8, 3, one_fma=False),
-    TileConfig(64, 512, 64, 8, 2, tma=False, one_fma=False),
 )
 SHARED_MEMORY_BYTES = 227 * 1024  # Hopper's per-block limit
 # The interpreter: small tiles so that tests cover several M/N tiles, split-K and masking, with
@@ -566,26 +458,13 @@ def half_last_n(hidden: int, block_n: int) -> bool:
     return block_n >= 32 and 0 < rest <= block_n // 2
 
 
-def tma_compatible(t: torch.Tensor) -> bool:
-    """A 2-D tensor a TMA descriptor can address: 16-byte aligned base and row stride."""
-    return (t.dim() == 2 and t.stride(1) == 1 and t.data_ptr() % 16 == 0
-            and (t.stride(0) * t.element_size()) % 16 == 0)
-
-
 def gpu_candidates(logits_dtype, embed_dtype, has_allowed: bool,
                    configs: tuple[TileConfig, ...] = GPU_CONFIGS) -> list[TileConfig]:
     """The configs whose pipeline buffers fit in shared memory; with an ``allowed`` mask (one more
     load per entry) only BLOCK_K <= 32, the others spill registers."""
-    return [safe_for(cfg, logits_dtype) for cfg in configs
+    return [cfg for cfg in configs
             if shared_memory_bytes(cfg, logits_dtype, embed_dtype, has_allowed) <= SHARED_MEMORY_BYTES
             and not (has_allowed and cfg.block_k > 32)]
-
-
-def safe_for(cfg: TileConfig, logits_dtype: torch.dtype) -> TileConfig:
-    """16-bit logits: pointer loads and the exact prologue (see GPU_CONFIGS)."""
-    if logits_dtype.itemsize == 2 and (cfg.tma or cfg.one_fma):
-        return replace(cfg, tma=False, one_fma=False)
-    return cfg
 
 
 @dataclass(frozen=True)
@@ -640,7 +519,6 @@ def plan_split(rows: int, planned_rows: int, hidden: int, v_local: int, cfg: Til
 
 
 _NUM_SMS: dict[int, int] = {}
-_last_kernel = None  # the compiled kernel of the latest launch (regs / spills for the benchmark)
 _TUNED: dict[tuple, TileConfig] = {}
 
 
@@ -653,15 +531,15 @@ def _num_sms(device: torch.device) -> int:
     return _NUM_SMS[index]
 
 
-def _pick_config(key: tuple, candidates: list[TileConfig], launch) -> TileConfig:
+def _pick_config(key: tuple, candidates: list[TileConfig], launch, tune: bool = True) -> TileConfig:
     """The first candidate (``GPU_CONFIGS`` order) that launches and does not spill registers,
     remembered per shape key. No timing: a choice made by a stopwatch could differ between two
     processes, and with it the summation order, i.e. the bits of the result. A launch only
     rewrites ``out`` (the kernel is a pure function of its inputs). Under CUDA-graph capture, or
-    with DGEMMA_SOFT_EMBEDDING_TUNE=0, the first candidate is used (and not remembered)."""
+    with ``tune`` False, the first candidate is used (and not remembered)."""
     if key in _TUNED:
         return _TUNED[key]
-    if torch.cuda.is_current_stream_capturing() or os.environ.get("DGEMMA_SOFT_EMBEDDING_TUNE") == "0":
+    if torch.cuda.is_current_stream_capturing() or not tune:
         return candidates[0]
     spilling = []
     for cfg in candidates:
@@ -714,11 +592,9 @@ def _launch_wgmma(module, logits, row_request, inv_t, lse, embed_weight, norm_te
     placeholder = inv_t
     scratch = (torch.empty(plan.scratch_elems, dtype=torch.float32, device=logits.device)
                if plan.scratch_elems else placeholder)
-    global _last_kernel
-    _last_kernel = module.launch(logits, row_request, inv_t, lse, embed_weight, norm_tensor,
-                                 norm_value, out, keep=keep, threshold=threshold,
-                                 out_index=out_index, vocab_start=vocab_start, plan=plan,
-                                 scratch=scratch, placeholder=placeholder)
+    module.launch(logits, row_request, inv_t, lse, embed_weight, norm_tensor, norm_value, out,
+                  keep=keep, threshold=threshold, out_index=out_index, vocab_start=vocab_start,
+                  plan=plan, scratch=scratch, placeholder=placeholder)
     _merge_split(plan, cfg, out, out_index, scratch, None, None, norm_tensor, norm_value, n_rows,
                  hidden, placeholder)
 
@@ -749,52 +625,42 @@ def _merge_split(plan: SplitPlan, cfg: TileConfig, out, out_index, scratch, row_
 # ---------------------------------------------------------------------------------------------
 
 
-def _check_inputs(logits, row_request, temperature, lse, embed_weight, normalizer, keep,
-                  threshold, allowed, vocab_start, softcap, out, num_kept) -> None:
-    check_tensor("logits", logits, dim=2, dtypes=FLOAT_DTYPES)
+def _check_inputs(logits, row_request, temperature, lse, embed_weight, keep, threshold, allowed,
+                  vocab_start, out, out_index, num_kept) -> None:
+    """Cheap asserts at the kernel's boundary; the caller (``dgemma_sampler.ops``, the step)
+    validates what a user passes, with clear errors."""
+    assert logits.dim() == 2 and logits.dtype in contract.FLOAT_DTYPES, (logits.dtype, logits.shape)
     dev = logits.device
-    if dev.type != "cuda" and not interpreting():
-        raise ValueError(
-            "the Triton soft embedding needs CUDA tensors, or TRITON_INTERPRET=1 to run through "
-            f"the interpreter on the CPU; got tensors on {dev}")
+    assert dev.type == "cuda" or interpreting(), \
+        f"the Triton soft embedding needs CUDA tensors (or TRITON_INTERPRET=1), got {dev}"
     n_rows, vocab = logits.shape
-    if n_rows and vocab and logits.stride(1) != 1:
-        raise ValueError("logits must be contiguous in the vocabulary dimension (stride(1) == 1)")
-    check_tensor("row_request", row_request, dim=1, dtypes=(torch.int32, torch.int64), device=dev,
-                 shape=(n_rows,))
-    check_tensor("temperature", temperature, dim=1, dtypes=FLOAT_DTYPES, device=dev)
-    check_tensor("lse", lse, dtypes=(torch.float32,), device=dev, shape=(n_rows,))
-    check_tensor("embed_weight", embed_weight, dim=2, dtypes=FLOAT_DTYPES, device=dev)
+    assert not (n_rows and vocab) or logits.stride(1) == 1, "logits rows must be contiguous"
     v_local, hidden = embed_weight.shape
-    if v_local and hidden and embed_weight.stride(1) != 1:
-        raise ValueError("embed_weight must be contiguous in the hidden dimension (stride(1) == 1)")
-    if isinstance(vocab_start, bool) or not isinstance(vocab_start, int):
-        raise TypeError(f"vocab_start must be an int, got {type(vocab_start).__name__}")
-    if not (0 <= vocab_start and vocab_start + v_local <= vocab):
-        raise ValueError(f"embed_weight rows [vocab_start={vocab_start}, +{v_local}) must lie inside "
-                         f"the logits vocabulary of {vocab}")
-    if keep is not None:
-        check_tensor("keep", keep, dtypes=(torch.bool,), device=dev, shape=(n_rows,))
-    if threshold is not None:
-        check_tensor("threshold", threshold, dtypes=(torch.float32,), device=dev, shape=(n_rows,))
-    if allowed is not None:
-        check_tensor("allowed", allowed, dim=2, dtypes=(torch.bool,), device=dev,
-                     shape=(temperature.shape[0], vocab))
-        if allowed.numel() and allowed.stride(1) != 1:
-            raise ValueError("allowed must be contiguous in the vocabulary dimension")
-    if isinstance(normalizer, torch.Tensor):
-        if normalizer.numel() != 1:
-            raise ValueError(f"normalizer must be a scalar, got shape {tuple(normalizer.shape)}")
-    elif isinstance(normalizer, bool) or not isinstance(normalizer, (int, float)):
-        raise TypeError(f"normalizer must be a float or a 1-element tensor, got {type(normalizer).__name__}")
-    if softcap is not None and not (isinstance(softcap, (int, float)) and 0 < softcap < float("inf")):
-        raise ValueError(f"softcap must be None or a finite float > 0, got {softcap!r}")
+    assert embed_weight.dtype in contract.FLOAT_DTYPES, embed_weight.dtype
+    assert not (v_local and hidden) or embed_weight.stride(1) == 1, "embed_weight rows must be contiguous"
+    assert 0 <= vocab_start and vocab_start + v_local <= vocab, (vocab_start, v_local, vocab)
+    for name, t, dtypes, shape in (
+        ("row_request", row_request, (torch.int32, torch.int64), (n_rows,)),
+        ("temperature", temperature, contract.FLOAT_DTYPES, (temperature.shape[0],)),
+        ("lse", lse, (torch.float32,), (n_rows,)),
+        ("keep", keep, (torch.bool,), (n_rows,)),
+        ("threshold", threshold, (torch.float32,), (n_rows,)),
+        ("allowed", allowed, (torch.bool,), (temperature.shape[0], vocab)),
+        ("out_index", out_index, (torch.int64,), (n_rows,)),
+    ):
+        if t is None:
+            continue
+        assert t.dtype in dtypes, f"{name} must have dtype in {dtypes}, got {t.dtype}"
+        assert tuple(t.shape) == shape, f"{name} must have shape {shape}, got {tuple(t.shape)}"
+        assert t.device == dev, f"{name} must be on {dev}, got {t.device}"
+    assert allowed is None or not allowed.numel() or allowed.stride(1) == 1, "allowed rows must be contiguous"
     if out is not None:
-        check_tensor("out", out, dim=2, dtypes=(torch.float32,), device=dev, shape=(n_rows, hidden))
-        if n_rows and hidden and out.stride(1) != 1:
-            raise ValueError("out must be contiguous in its last dimension (rows may be strided)")
-    if num_kept is not None and not (isinstance(num_kept, int) and 0 <= num_kept <= n_rows):
-        raise ValueError(f"num_kept must be an int in [0, {n_rows}], got {num_kept!r}")
+        assert out.dtype == torch.float32 and out.dim() == 2 and out.shape[1] == hidden, \
+            f"out must be [M, {hidden}] fp32, got {out.dtype} {tuple(out.shape)}"
+        assert out_index is not None or out.shape[0] == n_rows, "out must have a row per logits row"
+        assert not out.numel() or out.stride(1) == 1, "out rows must be contiguous"
+    assert out_index is None or out is not None, "out_index needs out, the buffer it indexes"
+    assert num_kept is None or 0 <= num_kept <= n_rows, num_kept
 
 
 def soft_embedding_rows(
@@ -812,13 +678,15 @@ def soft_embedding_rows(
     softcap: float | None = None,
     out: torch.Tensor | None = None,
     out_index: torch.Tensor | None = None,
-    chunk_rows: int | None = None,
     num_kept: int | None = None,
     config: TileConfig | None = None,
     num_sms: int | None = None,
     wgmma: bool | None = None,
+    tune: bool = True,
 ) -> torch.Tensor:
-    """Triton twin of ``reference.soft_embedding_rows`` (same arguments, same result).
+    """Triton twin of ``reference.soft_embedding_rows`` (same arguments, same result; inputs are
+    validated by the caller, ``dgemma_sampler.ops``, and only asserted here). The kernel tiles
+    rows itself, so unlike the oracle it takes no ``chunk_rows``.
 
     logits ``[N, V]`` fp32/bf16/fp16 (rows may be strided); row_request ``[N]`` int; temperature
     ``[R]``; lse ``[N]`` fp32; embed_weight ``[V_local, H]`` bf16/fp16/fp32 (fp32 multiplies in
@@ -828,24 +696,17 @@ def soft_embedding_rows(
     With ``out_index`` ``[N]`` int64, row n is written to ``out[out_index[n]]`` (``out`` is then
     any ``[M, H]`` fp32 buffer, e.g. the flattened slot-indexed soft-embedding state).
 
-    ``chunk_rows`` is accepted for signature parity and ignored (the kernel tiles rows itself).
     ``num_kept``: optional host-side count of True in ``keep``; it only sizes the schedule (a wrong
     count is still correct, just slower). ``config`` / ``num_sms`` override tuning (tests, bench).
-    ``wgmma``: the Gluon kernel of ``soft_embedding_wgmma.py`` (Hopper, the common case; None:
-    where it applies and ``DGEMMA_SOFT_EMBEDDING_WGMMA`` is not 0 and no ``config`` is given).
+    ``wgmma``: the Gluon kernel of ``soft_embedding_wgmma.py`` (Hopper, the common case); None:
+    where it applies and no ``config`` is given, False: never, True: always (an error where it
+    does not apply). ``tune`` False: the first tile config that fits, unchecked for register
+    spills (``_pick_config``). ``dgemma_sampler.ops`` sets both from the environment (``envs``).
     """
-    del chunk_rows
-    _check_inputs(logits, row_request, temperature, lse, embed_weight, normalizer, keep, threshold,
-                  allowed, vocab_start, softcap, None if out_index is not None else out, num_kept)
-    if out_index is not None:
-        n = logits.shape[0]
-        check_tensor("out_index", out_index, dim=1, dtypes=(torch.int64,), device=logits.device,
-                     shape=(n,))
-        if out is None:
-            raise ValueError("out_index needs out, the buffer it indexes")
-        check_tensor("out", out, dim=2, dtypes=(torch.float32,), device=logits.device)
-        if out.shape[1] != embed_weight.shape[1] or (out.numel() and out.stride(1) != 1):
-            raise ValueError(f"out must be [M, {embed_weight.shape[1]}] fp32, contiguous in its last dimension")
+    _check_inputs(logits, row_request, temperature, lse, embed_weight, keep, threshold, allowed,
+                  vocab_start, out, out_index, num_kept)
+    assert not isinstance(normalizer, torch.Tensor) or normalizer.numel() == 1, normalizer.shape
+    assert softcap is None or 0 < softcap < float("inf"), softcap
     n_rows = logits.shape[0]
     v_local, hidden = embed_weight.shape
     dev = logits.device
@@ -854,7 +715,7 @@ def soft_embedding_rows(
     if n_rows == 0 or hidden == 0:
         return out
 
-    inv_t = reference.inverse_temperature(temperature)
+    inv_t = contract.inverse_temperature(temperature)
     norm_is_tensor = isinstance(normalizer, torch.Tensor)
     norm_tensor = normalizer.reshape(1).to(dev) if norm_is_tensor else None
     norm_value = 1.0 if norm_is_tensor else float(normalizer)
@@ -862,7 +723,7 @@ def soft_embedding_rows(
     module = _wgmma_module() if wgmma or (wgmma is None and dev.type == "cuda") else None
     fits = module is not None and module.supported(logits, embed_weight, vocab_start, allowed, softcap)
     if wgmma is None:
-        wgmma = fits and config is None and os.environ.get("DGEMMA_SOFT_EMBEDDING_WGMMA", "1") != "0"
+        wgmma = fits and config is None
     elif wgmma and not fits:
         raise ValueError("the wgmma soft embedding does not support this call (see "
                          "soft_embedding_wgmma.supported)")
@@ -890,26 +751,13 @@ def soft_embedding_rows(
                    if plan.scratch_elems else placeholder)
         flags = dict(HAS_KEEP=keep is not None, NORM_IS_TENSOR=norm_is_tensor)
         schedule = (plan.n_tiles_n, plan.dp_head, plan.tail_tiles, plan.split)
-        half = half_last_n(hidden, cfg.block_n)
-        x_desc = e_desc = e_half_desc = None
-        if cfg.tma and v_local > 0 and tma_compatible(embed_weight):
-            e_desc = TensorDescriptor(embed_weight, [v_local, hidden], [embed_weight.stride(0), 1],
-                                      [cfg.block_k, cfg.block_n])
-            if half:
-                e_half_desc = TensorDescriptor(embed_weight, [v_local, hidden],
-                                               [embed_weight.stride(0), 1],
-                                               [cfg.block_k, cfg.block_n // 2])
-            local_logits = logits[:, vocab_start:vocab_start + v_local]
-            if keep is None and tma_compatible(local_logits):  # kept rows are gathered: pointers
-                x_desc = TensorDescriptor(local_logits, [n_rows, v_local], [logits.stride(0), 1],
-                                          [cfg.block_m, cfg.block_k])
         kernel = soft_embedding_kernel[(plan.programs,)](
-            logits, x_desc, row_request, inv_t, lse,
+            logits, row_request, inv_t, lse,
             placeholder if threshold is None else threshold,
             placeholder if allowed is None else allowed,
             placeholder if row_order is None else row_order,
             placeholder if kept_count is None else kept_count,
-            embed_weight, e_desc, e_half_desc, placeholder if norm_tensor is None else norm_tensor,
+            embed_weight, placeholder if norm_tensor is None else norm_tensor,
             out, placeholder if out_index is None else out_index, scratch,
             n_rows, v_local, hidden, vocab_start,
             logits.stride(0), 0 if allowed is None else allowed.stride(0),
@@ -920,17 +768,12 @@ def soft_embedding_rows(
             SOFTCAP=0.0 if softcap is None else float(softcap), INTERPRET=interpret,
             DOT_PRECISION=dot_precision,
             EVEN_K=v_local % cfg.block_k == 0, EVEN_N=hidden % cfg.block_n == 0,
-            X_TMA=x_desc is not None, E_TMA=e_desc is not None, HALF_LAST_N=half,
-            # softcap / allowed: the prologue is dominated by tanh / the mask load, and the second
-            # loop would only add registers.
-            ONE_FMA_PROLOGUE=cfg.one_fma and softcap is None and allowed is None,
+            HALF_LAST_N=half_last_n(hidden, cfg.block_n),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
         )
         _merge_split(plan, cfg, out, out_index, scratch, row_order, kept_count, norm_tensor,
                      norm_value, n_rows, hidden, placeholder)
-        global _last_kernel
-        _last_kernel = kernel
         return kernel
 
     if config is None:
@@ -940,6 +783,6 @@ def soft_embedding_rows(
             masks = (keep is not None, threshold is not None, allowed is not None, softcap is not None)
             key = tuning_key(planned_rows, hidden, v_local, logits.dtype, embed_weight.dtype, masks)
             candidates = gpu_candidates(logits.dtype, embed_weight.dtype, allowed is not None)
-            config = _pick_config(key, candidates, launch)
+            config = _pick_config(key, candidates, launch, tune)
     launch(config)
     return out

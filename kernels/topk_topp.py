@@ -647,27 +647,19 @@ def threshold_rows(logits, row_request, row_position, temperature, inv_t, seeds,
     Scratch: the sub-block tables ([N, V / sub] fp32, twice with top-p: 4 MiB per 1024 rows
     at V = 262144) and a candidate buffer per search program.
 
-    Search defaults (top-k 50 and top-p 0.9 at 32 requests; ``bench/results/``). The search is
-    bound by its latency per row (Nsight Compute, ``ncu-h200-2026-12-03.md``), so the
-    defaults put more rows in flight and shorten each row's chain of dependent steps:
+    Search defaults (timed with top-k 50 and top-p 0.9 by ``bench/bench_row_stats.py
+    --threshold-sweep``). The search is bound by its latency per row, so the defaults put more
+    rows in flight and shorten each row's chain of dependent steps:
 
-    * 2 warps per row and 10 programs per SM (4 warps and 5 programs: bf16 1.85 vs 1.82 ms,
-      fp32 2.65 vs 2.59 ms for the whole top-k/top-p pass, ``row_stats-h200-v22-search.log``).
-      With more rows than fit uncapped (4 programs per SM), ``maxnreg="auto"`` caps the
-      registers at 96: it spills, but more programs hide more latency (``-v18-threshold.log``).
-      With fewer rows each program's latency is all there is, and they run uncapped. There
-      these defaults cost some latency: at 1 request the search kernel takes 0.054 / 0.058 ms
-      (bf16 / fp32 logits, ``-v22-search.log``) where 4 warps weighing 8 sampling blocks at a
-      time took 0.035 / 0.037 ms (``-v21-search.log``); the scan before it takes 0.06-0.08 ms.
-    * a 128-entry candidate buffer (256: bf16 1.84 vs 1.74 ms, ``row_stats-h200-v23-cap128.log``):
-      its sort is half the size; rows with more candidates (k above about 100) take the pivot
-      passes.
+    * 2 warps per row and 10 programs per SM. With more rows than fit uncapped (4 programs per
+      SM), ``maxnreg="auto"`` caps the registers at 96: it spills, but more programs hide more
+      latency. With fewer rows each program's latency is all there is, and they run uncapped
+      (at the cost of some latency per row against 4 warps per row).
+    * a 128-entry candidate buffer: its sort is half the size of a 256-entry one; rows with
+      more candidates (k above about 100) take the pivot passes.
     * the sampling-block masses of the candidates weighed 64 blocks at a time, in one
-      [64, CAP] reduction instead of 8 dependent ones of 8 blocks. With 4 warps per row that
-      gains (bf16 1.88 -> 1.85 ms, ``-v22-search.log``); with 2 warps 8, 32 and 64 blocks are
-      within 1% of each other (1.81, 1.80, 1.82 ms).
-    * the table search with 4 pivots per round (16 spill badly: 2.14 ms for the search alone,
-      ``-v20-search.log``; 2 and 8 are slower than 4, ``-v21-search.log``).
+      [64, CAP] reduction instead of 8 dependent ones of 8 blocks.
+    * the table search with 4 pivots per round (16 spill badly; 2 and 8 are slower).
 
     The register cap, the pivots per round, the collection tile and the programs per SM change
     no bit; the sampling blocks per reduction and the warps per row change only the rounding

@@ -70,6 +70,31 @@ def test_soft_embedding_rejects():
         ds.soft_embedding(**{**call, "out": torch.empty(R, W, H + 1)})
 
 
+@pytest.mark.parametrize("over, exc, match", [
+    (dict(logits=torch.randn(R, W, V).to(torch.int32)), TypeError, "logits must have dtype"),
+    (dict(lse=torch.zeros(R, W, dtype=torch.float64)), TypeError, "lse must have dtype"),
+    (dict(lse=torch.zeros(R, W, device="meta")), ValueError, "lse must be on cpu"),
+    (dict(embed_weight=torch.randn(V, H).to(torch.int8)), TypeError, "embed_weight must have dtype"),
+    (dict(vocab_start=1.0), TypeError, "vocab_start must be an int"),
+    (dict(keep=torch.ones(R, W + 1, dtype=torch.bool)), ValueError, "keep must have shape"),
+    (dict(threshold=torch.zeros(R, W, dtype=torch.float64)), TypeError, "threshold must have dtype"),
+    (dict(allowed=torch.ones(R + 1, V, dtype=torch.bool)), ValueError, "allowed must have shape"),
+    (dict(normalizer="1"), TypeError, "normalizer must be a float"),
+    (dict(softcap=-1.0), ValueError, "softcap must be None"),
+    (dict(softcap=float("inf")), ValueError, "softcap must be None"),
+    (dict(out=torch.empty(R, W, H, dtype=torch.float64)), TypeError, "out must have dtype"),
+])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_soft_embedding_rejects_every_argument(over, exc, match, backend, monkeypatch):
+    """Validation happens before the backend is chosen: the Triton kernels only assert."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # (no kernel runs: every call is rejected first)
+    call = dict(logits=torch.randn(R, W, V), temperature=torch.tensor([0.5, 1.0]),
+                lse=torch.zeros(R, W), embed_weight=torch.randn(V, H), normalizer=2.0,
+                backend=backend)
+    with pytest.raises(exc, match=match):
+        ds.soft_embedding(**{**call, **over})
+
+
 def make_sampler():
     cfg = ds.SamplerConfig(canvas_length=W)
     state = ds.DiffusionState(3, cfg, V, H)

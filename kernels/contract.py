@@ -1,0 +1,60 @@
+"""What the kernels and the package above them agree on: the result type, the constants of the
+sampling semantics, the dtypes, and the one fp32 computation every backend must share.
+
+``dgemma_sampler`` re-exports these (``reference``, ``ops``); the kernels import them from here,
+so that nothing under ``kernels/`` depends on the package that calls it. Only torch is imported:
+the package loads this module on machines where Triton never runs.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+# Logits and embedding dtypes the kernels read (the MMA operand is E's dtype).
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Vocabulary positions per sampling block of the two-stage draw (``reference`` docstring, step 5a).
+# A power of two; part of the sampling semantics (changing it changes which token a seed draws),
+# not a tuning knob.
+SAMPLE_BLOCK = 4096
+# Temperatures are clamped to this before their reciprocal: T = 0 (greedy) scales by 1e10.
+GREEDY_CLAMP = 1e-10
+
+
+@dataclass
+class RowStats:
+    """Per-row statistics. All tensors share the leading shape of the logits rows."""
+
+    argmax: torch.Tensor  # int64
+    sample: torch.Tensor  # int64
+    entropy: torch.Tensor  # float32
+    lse: torch.Tensor  # float32, logsumexp of z (temperature-scaled, masked)
+    threshold: torch.Tensor  # float32, keep x >= threshold (-inf: no top-k/top-p)
+    has_nan: torch.Tensor  # bool
+
+    def view(self, *shape: int) -> "RowStats":
+        return RowStats(*(t.view(*shape) for t in self.as_tuple()))
+
+    def as_tuple(self) -> tuple[torch.Tensor, ...]:
+        return (self.argmax, self.sample, self.entropy, self.lse, self.threshold, self.has_nan)
+
+
+def inverse_temperature(temperature: torch.Tensor) -> torch.Tensor:
+    """``1 / max(T, 1e-10)`` in fp32, computed once so every backend multiplies by it: the
+    statistics and the soft embedding agree on ``z = x * inv_t`` only if both use these bits."""
+    # reciprocal() is what ``1.0 / t`` runs (then times 1.0): the same bits, one launch fewer.
+    return temperature.to(torch.float32).clamp(min=GREEDY_CLAMP).reciprocal()
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def cuda_capability(device: torch.device) -> tuple[int, int]:
+    """``torch.cuda.get_device_capability`` of a CUDA device, cached: the launch wrappers ask
+    on every call, and the uncached query costs microseconds of host time each."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capability(index)
