@@ -15,9 +15,9 @@ tuner chose, the split-K plan, and ``torch.cuda.max_memory_allocated`` beyond in
 
 ``--sweep`` then times every candidate of ``SWEEP_CONFIGS`` at 4 and 32 requests, without tuning:
 the tuner's ``GPU_CONFIGS`` from fp32 logits, bf16 logits and fp32 logits with ``keep`` all True
-(the row-gather path the sampler uses); the extra variants (exact prologue everywhere, pointer
-loads instead of TMA) from fp32 logits only. With registers / spills of the compiled kernel and
-the error against cuBLAS, so one run shows which variant wins.
+(the row-gather path the sampler uses); the other tile shapes (64 x 512) from fp32 logits only.
+With registers / spills of the compiled kernel and the error against cuBLAS, so one run shows
+which tile wins.
 
     python bench/bench_soft_embedding.py [--requests 1 4 16 32] [--sweep] [--out bench/results/soft_embedding.json]
 """
@@ -146,12 +146,34 @@ def run_size(requests: int, vocab: int, hidden: int) -> dict:
 
 
 def parse_config(text: str) -> "se.TileConfig":
-    """``128x256x64:w8:s3[:ptr][:exact]`` -> TileConfig (ptr: no TMA, exact: no one-FMA)."""
+    """``128x256x64:w8:s3`` -> TileConfig."""
     shape, *rest = text.split(":")
     bm, bn, bk = (int(v) for v in shape.split("x"))
     warps = int(next(r[1:] for r in rest if r.startswith("w")))
     stages = int(next(r[1:] for r in rest if r.startswith("s")))
-    return se.TileConfig(bm, bn, bk, warps, stages, tma="ptr" not in rest, one_fma="exact" not in rest)
+    return se.TileConfig(bm, bn, bk, warps, stages)
+
+
+def compiled_gemm(fn):
+    """Run ``fn`` and return the compiled Triton GEMM (``soft_embedding_kernel``) it launched
+    last, for its registers and spills; None if it launched none."""
+    from triton.runtime.jit import JITFunction
+
+    launched = []
+    run = JITFunction.run
+
+    def record(self, *args, **kwargs):
+        kernel = run(self, *args, **kwargs)
+        if getattr(getattr(self, "fn", None), "__name__", "") == "soft_embedding_kernel":
+            launched.append(kernel)
+        return kernel
+
+    JITFunction.run = record
+    try:
+        fn()
+    finally:
+        JITFunction.run = run
+    return launched[-1] if launched else None
 
 
 def run_sweep(requests: int, vocab: int, hidden: int, configs=None) -> list[dict]:
@@ -184,8 +206,7 @@ def run_sweep(requests: int, vocab: int, hidden: int, configs=None) -> list[dict
 
             try:
                 x["out"].fill_(float("nan"))
-                fn()  # compiles
-                kernel = se._last_kernel
+                kernel = compiled_gemm(fn)  # compiles
                 torch.cuda.synchronize()
                 err = ((x["out"] - ref).norm() / ref.norm()).item()
                 if configs:
@@ -267,7 +288,7 @@ def main() -> None:
                         help="also time every SWEEP_CONFIGS candidate at --sweep-requests")
     parser.add_argument("--sweep-requests", type=int, nargs="+", default=[4, 32])
     parser.add_argument("--configs", nargs="+", default=None,
-                        help="sweep these configs instead (e.g. 128x256x64:w8:s3:ptr:exact), every "
+                        help="sweep these configs instead (e.g. 128x256x64:w8:s3), every "
                              "variant, with a run-to-run determinism check")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                       "soft_embedding.json"))
