@@ -3,7 +3,9 @@
 ``row_stats`` and ``soft_embedding`` take logits as ``[num_requests, W, V]`` and map them
 onto the flat-row functions shared by the backends (``reference.py`` for ``"torch"``,
 ``dgemma_sampler.kernels`` for ``"triton"``). ``backend="auto"`` picks Triton for CUDA
-tensors and the PyTorch oracle elsewhere.
+tensors and the PyTorch oracle elsewhere. Inputs are validated here, once, with errors that
+name the argument; the kernels below only assert. The environment's switches for the kernels
+(``envs``) are read here too and passed down as arguments.
 """
 
 from __future__ import annotations

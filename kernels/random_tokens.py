@@ -65,24 +65,23 @@ def random_tokens_canvas(
     ``out`` (optional) is a contiguous int64 tensor of that shape to fill.
     """
     streams = tuple(int(s) for s in streams)
-    if not 1 <= len(streams) <= 2 or 0 in streams:
-        raise ValueError(f"streams must be one or two non-zero stream ids, got {streams}")
+    # Asserts only: the step builds these arguments (``dgemma_sampler.step.noise_canvases``).
+    assert 1 <= len(streams) <= 2 and 0 not in streams, \
+        f"streams must be one or two non-zero stream ids, got {streams}"
     for name, t in (("seeds", seeds), ("draws", draws)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int64:
-            raise ValueError(f"{name} must be a 1-D int64 tensor")
-    if draws.shape != seeds.shape or draws.device != seeds.device:
-        raise ValueError("seeds and draws must have the same shape and device")
-    if not 1 <= int(vocab_size) < 2**32:
-        raise ValueError(f"vocab_size must be in [1, 2^32), got {vocab_size!r}")
+        assert isinstance(t, torch.Tensor) and t.dim() == 1 and t.dtype == torch.int64, \
+            f"{name} must be a 1-D int64 tensor"
+    assert draws.shape == seeds.shape and draws.device == seeds.device, \
+        "seeds and draws must have the same shape and device"
+    assert 1 <= int(vocab_size) < 2**32, f"vocab_size must be in [1, 2^32), got {vocab_size!r}"
     n, width = seeds.numel(), int(width)
-    if width < 0 or n * width >= 2**62:
-        raise ValueError(f"bad canvas width {width!r}")
+    assert 0 <= width and n * width < 2**62, f"bad canvas width {width!r}"
     shape = (len(streams), n, width)
     if out is None:
         out = torch.empty(shape, dtype=torch.int64, device=seeds.device)
-    elif out.shape != shape or out.dtype != torch.int64 or not out.is_contiguous() \
-            or out.device != seeds.device:
-        raise ValueError(f"out must be a contiguous int64 tensor of shape {shape} on {seeds.device}")
+    assert out.shape == shape and out.dtype == torch.int64 and out.is_contiguous() \
+        and out.device == seeds.device, \
+        f"out must be a contiguous int64 tensor of shape {shape} on {seeds.device}"
     if n == 0 or width == 0:
         return out
     block = min(BLOCK_POSITIONS, triton.next_power_of_2(width))
