@@ -264,8 +264,8 @@ def plot(results, path, meta):
                        ("compiled_transient_bytes", "PyTorch fp32 compiled")]:
         vals = [r.get(key) for r in results]
         if all(v is not None for v in vals):
-            ax2.plot(n, [v / GIB for v in vals], marker="o", label=label)
-    ax2.set(xlabel="decoding requests", ylabel="GiB", title="transient memory")
+            ax2.plot(n, [v / 2**20 for v in vals], marker="o", label=label)
+    ax2.set(xlabel="decoding requests", ylabel="MiB (log scale)", title="transient memory", yscale="log")
     if ax2.lines:
         ax2.legend()
     fig.suptitle(f"{meta['card']} — {meta['date'][:10]}, commit {meta['commit']}")

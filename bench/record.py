@@ -110,7 +110,7 @@ class Record:
         self.json_path = (Path(out) if out is not None
                           else RESULTS / f"{bench}-{card_tag(self.meta['card'])}.json")
         self.log_path = self.json_path.with_suffix(".log")
-        self.history = HISTORY if history is None else history
+        self.history = history
         self._log = None
         self._stdout = None
 
@@ -140,17 +140,19 @@ class Record:
         print(f"results: {self.json_path}")
         if self.of_record:
             append_history(dict(bench=self.bench, **self.meta, figures=figures), self.history)
-            print(f"history: {self.history}")
+            print(f"history: {self.history or HISTORY}")
         return self.json_path
 
 
-def append_history(row: dict, path: Path = HISTORY) -> None:
+def append_history(row: dict, path: Path | None = None) -> None:
+    path = HISTORY if path is None else path
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
         f.write(json.dumps(row, default=str) + "\n")
 
 
-def read_history(path: Path = HISTORY) -> list[dict]:
+def read_history(path: Path | None = None) -> list[dict]:
+    path = HISTORY if path is None else path
     if not path.exists():
         return []
     with open(path) as f:
