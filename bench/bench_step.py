@@ -13,11 +13,12 @@ It reports median time, transient memory (peak allocated beyond inputs and persi
 state) and agreement of our step with the PyTorch reference backend on the same inputs.
 Shapes: DiffusionGemma's (CL 256, V 262144, H 2816) on a GPU, scaled down on a CPU.
 
-    python bench/bench_step.py                      # sized for the device found
+    python bench/bench_step.py                      # sized for the device found (GPU: real shape)
     python bench/bench_step.py --requests 1,4 --out /tmp/step.json
 
 By default the result goes to the bench of record (``bench/record.py``):
-``bench/results/step-<card>.json/.log/.png`` and a line of ``bench/results/history.jsonl``.
+``bench/results/step-<card>.json/.log/.png`` and a line of ``bench/results/history.jsonl``
+(on a CPU: a temporary folder, out of the record).
 """
 
 from __future__ import annotations

@@ -9,8 +9,10 @@ A benchmark run with its default output writes, under ``bench/results/``:
   headline ``figures`` (a few numbers per shape, small enough to keep every run).
 
 A run given another ``--out`` writes its JSON and log there and leaves the record alone, so
-ad-hoc and test runs never enter the history. The card tag is the first word of the device
-name that holds a digit (``NVIDIA H200`` -> ``h200``), or ``cpu``.
+ad-hoc and test runs never enter the history. So does a run without a GPU (speed is not
+measured on a CPU): its default output goes to ``<temp dir>/dgemma-sampler-bench/``. The card
+tag is the first word of the device name that holds a digit (``NVIDIA H200`` -> ``h200``), or
+``cpu``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import platform
 import re
 import subprocess
 import sys
+import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -106,9 +109,12 @@ class Record:
                  device: torch.device | None = None, history: Path | None = None):
         self.bench = bench
         self.meta = meta(device)
-        self.of_record = out is None
-        self.json_path = (Path(out) if out is not None
-                          else RESULTS / f"{bench}-{card_tag(self.meta['card'])}.json")
+        tag = card_tag(self.meta["card"])
+        self.of_record = out is None and tag != "cpu"
+        if out is None:
+            folder = RESULTS if self.of_record else Path(tempfile.gettempdir()) / "dgemma-sampler-bench"
+            out = folder / f"{bench}-{tag}.json"
+        self.json_path = Path(out)
         self.log_path = self.json_path.with_suffix(".log")
         self.history = history
         self._log = None

@@ -44,14 +44,27 @@ def test_run_elsewhere_leaves_the_history_alone(bench_modules, tmp_path, capsys)
 def test_run_of_record_appends_one_history_row(bench_modules, tmp_path, monkeypatch):
     record, _ = bench_modules
     monkeypatch.setattr(record, "RESULTS", tmp_path)
+    monkeypatch.setattr(record, "card_name", lambda device=None: "NVIDIA H200")
     history = tmp_path / "history.jsonl"
     for _ in range(2):
         with record.Record("row_stats", history=history) as rec:
             rec.save({"results": []}, [{"ms": 1.5}])
-    assert (tmp_path / f"row_stats-{record.card_tag(record.card_name())}.json").exists()
+    assert (tmp_path / "row_stats-h200.json").exists() and (tmp_path / "row_stats-h200.log").exists()
     rows = record.read_history(history)
     assert len(rows) == 2 and rows[-1]["bench"] == "row_stats" and rows[-1]["figures"] == [{"ms": 1.5}]
-    assert rows[-1]["commit"]
+    assert rows[-1]["commit"] and rows[-1]["card"] == "NVIDIA H200"
+
+
+def test_cpu_run_stays_out_of_the_record(bench_modules, tmp_path, monkeypatch):
+    record, _ = bench_modules
+    monkeypatch.setattr(record, "RESULTS", tmp_path / "results")
+    monkeypatch.setattr(record, "card_name", lambda device=None: "cpu")
+    monkeypatch.setattr(record.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    history = tmp_path / "results" / "history.jsonl"
+    with record.Record("step", history=history) as rec:
+        rec.save({"results": []}, [])
+    assert (tmp_path / "tmp" / "dgemma-sampler-bench" / "step-cpu.json").exists()
+    assert not (tmp_path / "results").exists()
 
 
 def test_demo_shows_the_latest_recorded_step_per_card(bench_modules, tmp_path, monkeypatch, capsys):
