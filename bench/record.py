@@ -36,7 +36,10 @@ ROOT = RESULTS.parents[1]
 
 def commit() -> str:
     """Short id of the checked-out commit, ``+dirty`` when tracked files differ from it, or
-    ``unknown`` outside a git checkout."""
+    ``unknown`` outside a git checkout. ``DGEMMA_BENCH_COMMIT`` names it where the tree is a
+    copy without its git history (a lent GPU machine)."""
+    if os.environ.get("DGEMMA_BENCH_COMMIT"):
+        return os.environ["DGEMMA_BENCH_COMMIT"]
     try:
         sha = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
                              capture_output=True, text=True, timeout=10, check=True).stdout.strip()

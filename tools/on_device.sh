@@ -23,6 +23,8 @@ card=$(python -c "import torch, triton
 v = lambda s: '.'.join(s.split('+')[0].split('.')[:2])
 name = torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU (no CUDA device)'
 print(f'{name} (torch {v(torch.__version__)}, triton {v(triton.__version__)})')")
-commit=$(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)
+# A copy of the tree without .git: DGEMMA_BENCH_COMMIT=<sha> names the commit (the benchmarks'
+# results of record read it too).
+commit=${DGEMMA_BENCH_COMMIT:-$(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)}
 echo "# $card, $(date +%F), commit $commit. Command: cd bench && $*" > "$log"
 cd "$root/bench" && timeout -k 10 "${LIMIT:-0}" "$@" 2>&1 | tee -a "$log"
