@@ -97,3 +97,25 @@ def test_demo_table_without_tabulate(bench_modules, monkeypatch):
     monkeypatch.setitem(sys.modules, "tabulate", None)  # import fails: the plain fallback
     text = demo.table([["a", 1.23456, "x"]], ["name", "value", "note"])
     assert text.splitlines()[0].split() == ["name", "value", "note"] and "1.23" in text
+
+
+@pytest.mark.gpu
+def test_gpu_bench_step_writes_its_result_with_meta(bench_modules, tmp_path):
+    """On the GPU: the whole-step benchmark at a small shape writes JSON, log and plot with the
+    card and versions, and ours agrees with the PyTorch reference."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    bench_step = importlib.import_module("bench_step")
+    out = tmp_path / "step.json"
+    assert bench_step.main(["--requests", "1,2", "--canvas", "16", "--vocab", "4099", "--hidden", "64",
+                            "--no-compile", "--hidden-requests", "2", "--reps", "2",
+                            "--out", str(out)]) == 0
+    saved = json.loads(out.read_text())
+    assert saved["meta"]["card"] == torch.cuda.get_device_name() and saved["meta"]["triton"]
+    assert [r["requests"] for r in saved["results"]] == [1, 2]
+    for r in saved["results"]:
+        assert r["ours_ms"] > 0 and r["ours_transient_bytes"] is not None
+        assert r["agreement"]["argmax_equal"] == 1.0 and r["agreement"]["lse_max_rel_err"] < 1e-5
+    assert out.with_suffix(".log").exists() and out.with_suffix(".png").exists()
