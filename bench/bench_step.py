@@ -13,17 +13,18 @@ It reports median time, transient memory (peak allocated beyond inputs and persi
 state) and agreement of our step with the PyTorch reference backend on the same inputs.
 Shapes: DiffusionGemma's (CL 256, V 262144, H 2816) on a GPU, scaled down on a CPU.
 
-    python bench/bench_step.py                      # sized for the device found
-    python bench/bench_step.py --requests 1,4 --out bench/results/step.json
+    python bench/bench_step.py                      # sized for the device found (GPU: real shape)
+    python bench/bench_step.py --requests 1,4 --out /tmp/step.json
+
+By default the result goes to the bench of record (``bench/record.py``):
+``bench/results/step-<card>.json/.log/.png`` and a line of ``bench/results/history.jsonl``
+(on a CPU: a temporary folder, out of the record).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -33,6 +34,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import baselines  # noqa: E402
+import record  # noqa: E402
 
 import dgemma_sampler as ds  # noqa: E402
 
@@ -111,7 +113,6 @@ def measure_floor(rows, vocab, hidden, logits, embed, warmup, reps):
     copy_bw = 2 * src.numel() * 4 / (copy_ms * 1e-3)
     probs = torch.empty(rows, vocab, dtype=torch.bfloat16, device="cuda").normal_()
     gemm_ms = device_timer(lambda: probs @ embed, warmup, reps, True)
-    del probs, src, dst
     read_ms = logits.numel() * logits.element_size() / copy_bw * 1e3
     return {"copy_TBps": copy_bw / 1e12, "gemm_ms": gemm_ms, "read_ms": read_ms,
             "floor_ms": read_ms + gemm_ms}
@@ -131,15 +132,18 @@ def main(argv=None) -> int:
     p.add_argument("--no-check", action="store_true", help="skip the agreement check")
     p.add_argument("--hidden-requests", type=int, default=128 if cuda else 8,
                    help="also time the hidden-state input path at this many requests (0: skip)")
-    p.add_argument("--out", default=None, help="JSON results (default bench/results/step-<device>.json)")
-    p.add_argument("--plot", default=None, help="PNG plot (default next to --out)")
+    p.add_argument("--out", default=None,
+                   help="JSON results elsewhere (default: the record, bench/results/step-<card>.json)")
+    p.add_argument("--plot", default=None, help="PNG plot (default next to the JSON)")
     args = p.parse_args(argv)
+    with record.Record("step", args.out) as rec:
+        return run(args, rec)
 
+
+def run(args, rec) -> int:
+    cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    name = torch.cuda.get_device_name() if cuda else platform.processor() or "cpu"
-    tag = "h200" if "H200" in name else ("gpu" if cuda else "cpu")
-    out_path = args.out or os.path.join(os.path.dirname(__file__), "results", f"step-{tag}.json")
-    plot_path = args.plot or out_path.replace(".json", ".png")
+    plot_path = args.plot or str(rec.path(".png"))
     dtype = getattr(torch, args.dtype)
     requests = [int(r) for r in args.requests.split(",")]
     backend = ds.ops.resolve_backend(args.backend, device)
@@ -177,7 +181,7 @@ def main(argv=None) -> int:
             row["agreement"] = agreement(n, logits, args.canvas, args.vocab, args.hidden, embed,
                                          device, backend)
         results.append(row)
-        del logits, sampler
+        logits = sampler = None  # free before the next size
         if cuda:
             torch.cuda.empty_cache()
 
@@ -185,28 +189,20 @@ def main(argv=None) -> int:
     if args.hidden_requests:
         hidden_row = bench_hidden_input(args, embed, backend, device, cuda, warmup)
 
-    meta = {
-        "command": "python bench/bench_step.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "device": name, "date": datetime.date.today().isoformat(), "backend": backend,
-        "torch": torch.__version__, "canvas": args.canvas, "vocab": args.vocab,
-        "hidden": args.hidden, "logits_dtype": args.dtype,
-    }
-    try:
-        import triton
-        meta["triton"] = triton.__version__
-    except ImportError:
-        pass
-    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    with open(out_path, "w") as f:
-        json.dump({"meta": meta, "results": results, "hidden_input": hidden_row}, f, indent=2)
+    shape = {"backend": backend, "canvas": args.canvas, "vocab": args.vocab, "hidden": args.hidden,
+             "logits_dtype": args.dtype}
+    rec.meta.update(shape)
+    meta = rec.meta
     plot(results, plot_path, meta)
-    print_table(results, meta, out_path, plot_path)
+    print_table(results, meta, plot_path)
     if hidden_row:
         mib = hidden_row["transient_bytes"]
         print(f"hidden-state input, {hidden_row['requests']} requests: {hidden_row['ms']:.2f} ms, "
               f"tile {hidden_row['tile_requests']} requests, transient "
               f"{'n/a' if mib is None else f'{mib / GIB:.2f} GiB'} (full-batch fp32 logits would be "
               f"{hidden_row['full_logits_bytes'] / GIB:.1f} GiB)")
+    figures = [record.pick(r, FIGURES) for r in results]
+    rec.save({"results": results, "hidden_input": hidden_row}, {**shape, "rows": figures})
     return 0
 
 
@@ -225,11 +221,15 @@ def bench_hidden_input(args, embed, backend, device, cuda, warmup):
             "tile_requests": sampler.last_tile_requests, "full_logits_bytes": rows * args.vocab * 4}
 
 
-def print_table(results, meta, out_path, plot_path):
+FIGURES = ("requests", "ours_ms", "materialized_ms", "compiled_ms", "floor_ms",
+           "ours_transient_bytes", "materialized_transient_bytes", "compiled_transient_bytes")
+
+
+def print_table(results, meta, plot_path):
     def mib(b):
         return "n/a" if b is None else f"{b / 2**20:.1f}"
 
-    print(f"\n{meta['device']} | backend={meta['backend']} | CL={meta['canvas']} V={meta['vocab']} "
+    print(f"\n{meta['card']} | backend={meta['backend']} | CL={meta['canvas']} V={meta['vocab']} "
           f"H={meta['hidden']} logits={meta['logits_dtype']} | {meta['date']}")
     head = f"{'reqs':>5} {'ours ms':>9} {'mat. ms':>9} {'comp. ms':>9} {'floor ms':>9} {'x floor':>8} " \
            f"{'ours MiB':>9} {'mat. MiB':>9} {'argmax=':>8} {'sample=':>8} {'ent err':>8} {'soft err':>9}"
@@ -240,9 +240,10 @@ def print_table(results, meta, out_path, plot_path):
               f"{r.get('compiled_ms', float('nan')):>9.2f} {r.get('floor_ms', float('nan')):>9.2f} "
               f"{r.get('ours_over_floor', float('nan')):>8.2f} {mib(r['ours_transient_bytes']):>9} "
               f"{mib(r['materialized_transient_bytes']):>9} {ag.get('argmax_equal', float('nan')):>8.4f} "
-              f"{ag.get('sample_equal', float('nan')):>8.4f} {ag.get('entropy_max_rel_err', float('nan')):>8.1e} "
+              f"{ag.get('sample_equal', float('nan')):>8.4f} "
+              f"{ag.get('entropy_max_rel_err', float('nan')):>8.1e} "
               f"{ag.get('soft_embedding_rel_err', float('nan')):>9.1e}")
-    print(f"results: {out_path}\nplot: {plot_path}")
+    print(f"plot: {plot_path}")
 
 
 def plot(results, path, meta):
@@ -264,11 +265,11 @@ def plot(results, path, meta):
                        ("compiled_transient_bytes", "PyTorch fp32 compiled")]:
         vals = [r.get(key) for r in results]
         if all(v is not None for v in vals):
-            ax2.plot(n, [v / GIB for v in vals], marker="o", label=label)
-    ax2.set(xlabel="decoding requests", ylabel="GiB", title="transient memory")
+            ax2.plot(n, [v / 2**20 for v in vals], marker="o", label=label)
+    ax2.set(xlabel="decoding requests", ylabel="MiB (log scale)", title="transient memory", yscale="log")
     if ax2.lines:
         ax2.legend()
-    fig.suptitle(f"{meta['device']} — {meta['date']}")
+    fig.suptitle(f"{meta['card']} — {meta['date'][:10]}, commit {meta['commit']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -16,13 +16,12 @@ seed on its own GPU and runs:
 Times are CUDA-event medians after warm-up, each iteration started after a barrier (a step
 ends when the slowest rank's collective does). Memory: ``torch.cuda.max_memory_allocated``
 during the step, absolute and minus what was allocated before it (transient). Rank 0 prints
-a table and writes JSON to ``--out``.
+a table and writes the result to the bench of record (``bench/record.py``), or to ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -34,6 +33,9 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import record  # noqa: E402
 
 import dgemma_sampler as ds  # noqa: E402
 from dgemma_sampler import keyed_noise, ops, reference  # noqa: E402
@@ -54,7 +56,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--out", default=os.path.join("bench", "results", "tensor_parallel.json"))
+    p.add_argument("--out", default=None, help="JSON results elsewhere (default: the record, "
+                   "bench/results/tensor_parallel-<card>.json; --cpu-smoke: not written)")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="run the script's logic on CPU with gloo and the torch backend (tiny "
                         "shapes, e.g. --requests 2 --width 8 --vocab 1001 --hidden 32); no timing value")
@@ -201,7 +204,7 @@ def main() -> int:
     check = compare(got, want, got_soft, want_soft, logits, temperature, seeds, draws, softcap)
 
     # From here on this rank holds only its slice, as it would under tensor parallelism.
-    del logits, embed, want, want_soft, got, got_soft
+    logits = embed = want = want_soft = got = got_soft = None
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
@@ -233,50 +236,53 @@ def main() -> int:
         dist.all_gather_object(rows, row)
     else:
         rows = [row]
-    if rank == 0:
-        report = {
-            "bench": "tensor_parallel", "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "config": {**vars(args), "world_size": world, "backend": backend,
-                       "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE"),
-                       "torch": torch.__version__},
-            "ranks": rows,
-            "summary": {
-                "single_ms": statistics.median(r["single_ms"] for r in rows),
-                "sharded_ms_slowest_rank": max(r["sharded_ms"] for r in rows),
-                "speedup": statistics.median(r["single_ms"] for r in rows)
-                / max(r["sharded_ms"] for r in rows),
-                "sharded_peak_gib_max": max(r["sharded_mem"]["peak_bytes"] for r in rows) / 2**30,
-                "single_transient_gib": rows[0]["single_mem"]["transient_bytes"] / 2**30,
-                "sharded_transient_gib_max": max(r["sharded_mem"]["transient_bytes"] for r in rows) / 2**30,
-                "argmax_mismatches": sum(r["check"]["argmax_mismatches"] for r in rows),
-                "sample_mismatches": sum(r["check"]["sample_mismatches"] for r in rows),
-            },
-        }
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
-        gib = 2**30
-        print(f"\n{args.requests} req x {args.width} x {args.vocab} {args.dtype}, H={args.hidden}, "
-              f"softcap={softcap}, backend={backend}, world={world}")
-        print(f"{'rank':>4} {'slice':>17} {'single ms':>10} {'shard ms':>9} {'local ms':>9} "
-              f"{'single peak/trans GiB':>22} {'shard peak/trans GiB':>21} "
-              f"{'argmax/sample diff':>19} {'lse rel':>8} {'H abs':>8} {'soft':>8}")
-        for r in rows:
-            c, one, shard = r["check"], r["single_mem"], r["sharded_mem"]
-            print(f"{r['rank']:>4} {r['vocab_start']:>8}-{r['vocab_end']:<8} {r['single_ms']:>10.3f} "
-                  f"{r['sharded_ms']:>9.3f} {r['sharded_local_only_ms']:>9.3f} "
-                  f"{one['peak_bytes'] / gib:>11.2f}/{one['transient_bytes'] / gib:<10.2f} "
-                  f"{shard['peak_bytes'] / gib:>10.2f}/{shard['transient_bytes'] / gib:<10.2f} "
-                  f"{c['argmax_mismatches']:>9}/{c['sample_mismatches']:<9} {c['lse_max_rel_err']:>8.1e} "
-                  f"{c['entropy_max_abs_err']:>8.1e} {c['soft_max_err_of_row_scale']:>8.1e}")
-        s = report["summary"]
-        print(f"step: single {s['single_ms']:.3f} ms, sharded (slowest rank) "
-              f"{s['sharded_ms_slowest_rank']:.3f} ms, speedup {s['speedup']:.2f}x; "
-              f"JSON -> {args.out}")
+    if rank == 0 and not (args.cpu_smoke and args.out is None):
+        with record.Record("tensor_parallel", args.out, device) as rec:
+            report_rank0(args, rows, world, backend, softcap, rec)
+    elif rank == 0:
+        report_rank0(args, rows, world, backend, softcap, None)
     if distributed:
         dist.barrier()
         dist.destroy_process_group()
     return 0
+
+
+def report_rank0(args, rows, world, backend, softcap, rec) -> None:
+    """Rank 0: the table, and (with ``rec``) the result of record."""
+    config = {**vars(args), "world_size": world, "backend": backend,
+              "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE")}
+    summary = {
+        "single_ms": statistics.median(r["single_ms"] for r in rows),
+        "sharded_ms_slowest_rank": max(r["sharded_ms"] for r in rows),
+        "speedup": statistics.median(r["single_ms"] for r in rows)
+        / max(r["sharded_ms"] for r in rows),
+        "sharded_peak_gib_max": max(r["sharded_mem"]["peak_bytes"] for r in rows) / 2**30,
+        "single_transient_gib": rows[0]["single_mem"]["transient_bytes"] / 2**30,
+        "sharded_transient_gib_max": max(r["sharded_mem"]["transient_bytes"] for r in rows) / 2**30,
+        "argmax_mismatches": sum(r["check"]["argmax_mismatches"] for r in rows),
+        "sample_mismatches": sum(r["check"]["sample_mismatches"] for r in rows),
+    }
+    gib = 2**30
+    print(f"\n{args.requests} req x {args.width} x {args.vocab} {args.dtype}, H={args.hidden}, "
+          f"softcap={softcap}, backend={backend}, world={world}")
+    print(f"{'rank':>4} {'slice':>17} {'single ms':>10} {'shard ms':>9} {'local ms':>9} "
+          f"{'single peak/trans GiB':>22} {'shard peak/trans GiB':>21} "
+          f"{'argmax/sample diff':>19} {'lse rel':>8} {'H abs':>8} {'soft':>8}")
+    for r in rows:
+        c, one, shard = r["check"], r["single_mem"], r["sharded_mem"]
+        print(f"{r['rank']:>4} {r['vocab_start']:>8}-{r['vocab_end']:<8} {r['single_ms']:>10.3f} "
+              f"{r['sharded_ms']:>9.3f} {r['sharded_local_only_ms']:>9.3f} "
+              f"{one['peak_bytes'] / gib:>11.2f}/{one['transient_bytes'] / gib:<10.2f} "
+              f"{shard['peak_bytes'] / gib:>10.2f}/{shard['transient_bytes'] / gib:<10.2f} "
+              f"{c['argmax_mismatches']:>9}/{c['sample_mismatches']:<9} {c['lse_max_rel_err']:>8.1e} "
+              f"{c['entropy_max_abs_err']:>8.1e} {c['soft_max_err_of_row_scale']:>8.1e}")
+    s = summary
+    print(f"step: single {s['single_ms']:.3f} ms, sharded (slowest rank) "
+          f"{s['sharded_ms_slowest_rank']:.3f} ms, speedup {s['speedup']:.2f}x")
+    if rec is not None:
+        rec.meta.update(world_size=world, backend=backend)
+        rec.save({"config": config, "ranks": rows, "summary": summary},
+                 {"world_size": world, "requests": args.requests, "logits_dtype": args.dtype, **summary})
 
 
 if __name__ == "__main__":

@@ -27,23 +27,24 @@ Part B (``rows_2g``): 8200 rows x 262144 bf16 logits (2.15e9 entries > 2^31), as
 rows that includes the last ones.
 
     python bench/stress.py                        # full size on a GPU (about a minute)
-    python bench/stress.py --requests 64 --out /tmp/stress.json
+    python bench/stress.py --requests 64 --out /tmp/stress.json   # outside the bench of record
     TRITON_INTERPRET=1 python bench/stress.py --no-filters   # CPU smoke run at toy sizes
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import sys
 import time
 
 import torch
 
-import dgemma_sampler as ds
-from dgemma_sampler import reference
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import record  # noqa: E402
+
+import dgemma_sampler as ds  # noqa: E402
+from dgemma_sampler import reference  # noqa: E402
 
 GIB = 1024**3
 STATE_FIELDS = ("canvas", "argmax_canvas", "step", "is_encoder_phase", "confident",
@@ -447,22 +448,14 @@ def parse(argv=None):
     p.add_argument("--parts", default="a,b")
     p.add_argument("--no-filters", action="store_true",
                    help="no top-k / top-p requests (the interpreter's top-k search is slow)")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                 "stress.json"))
+    p.add_argument("--out", default=None,
+                   help="JSON results elsewhere (default: the record, bench/results/stress-<card>.json)")
     return p.parse_args(argv)
 
 
 def run(args) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-            "date": datetime.date.today().isoformat(), "torch": torch.__version__,
-            "command": "python bench/stress.py " + " ".join(sys.argv[1:])}
-    try:
-        import triton
-        meta["triton"] = triton.__version__
-    except ImportError:
-        pass
-    results = {"meta": meta}
+    results = {"meta": record.meta(device)}
     t0 = time.perf_counter()
     parts = args.parts.split(",")
     try:
@@ -482,7 +475,8 @@ def run(args) -> dict:
 
 def summary(results) -> str:
     ok = "OK" if results["ok"] else "FAILED"
-    lines = [f"stress on {results['meta']['device']}: {ok} in {results['seconds']:.1f} s"]
+    card = results['meta'].get('card') or results['meta'].get('device')
+    lines = [f"stress on {card}: {ok} in {results['seconds']:.1f} s"]
     if "oom" in results:
         lines.append("OUT OF MEMORY: " + results["oom"][:200])
     a = results.get("tiling")
@@ -524,12 +518,15 @@ def summary(results) -> str:
 
 def main(argv=None) -> int:
     args = parse(argv)
-    results = run(args)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1, default=str)
-    print(summary(results))
-    print(f"JSON: {args.out}")
+    with record.Record("stress", args.out) as rec:
+        results = run(args)
+        print(summary(results))
+        rec.meta = results.pop("meta")
+        figures = {k: results[k] for k in ("ok", "seconds", "peak_allocated_gib", "oom") if k in results}
+        if "tiling" in results:
+            figures["tiling_s_per_step"] = {name: info["step_seconds"]
+                                            for name, info in results["tiling"]["runs"].items()}
+        rec.save(results, figures)
     return 0 if results["ok"] else 1
 
 

@@ -60,10 +60,11 @@ import math
 import torch
 
 from . import keyed_noise
+from .kernels.contract import SAMPLE_BLOCK, RowStats, inverse_temperature  # noqa: F401 (re-exported)
 from .keyed_noise import Stream
+
 # The result type, the sampling-block size (step 5a) and the inverse temperature (step 4) are
-# the contract with the kernels; defined beside them, re-exported here.
-from .kernels.contract import SAMPLE_BLOCK, RowStats, inverse_temperature  # noqa: F401
+# the contract with the kernels: defined beside them (kernels/contract.py), re-exported here.
 
 FLT_MAX = torch.finfo(torch.float32).max
 

@@ -34,7 +34,7 @@ class RowStats:
     threshold: torch.Tensor  # float32, keep x >= threshold (-inf: no top-k/top-p)
     has_nan: torch.Tensor  # bool
 
-    def view(self, *shape: int) -> "RowStats":
+    def view(self, *shape: int) -> RowStats:
         return RowStats(*(t.view(*shape) for t in self.as_tuple()))
 
     def as_tuple(self) -> tuple[torch.Tensor, ...]:
@@ -48,7 +48,7 @@ def inverse_temperature(temperature: torch.Tensor) -> torch.Tensor:
     return temperature.to(torch.float32).clamp(min=GREEDY_CLAMP).reciprocal()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 

@@ -800,8 +800,8 @@ def _empty_stats(n_rows: int, device: torch.device) -> RowStats:
 
 
 def default_config(logits: torch.Tensor) -> dict:
-    """Launch configuration of the stats pass (``bench/bench_row_stats.py --sweep``,
-    ``--few-rows`` and ``--parts`` time the alternatives).
+    """Launch configuration of the stats pass (the alternatives timed against it are in
+    ``docs/performance-history.md``).
 
     A ``"threshold"`` entry (a dict of ``topk_topp.threshold_rows`` keywords) tunes the top-k /
     top-p search; the CPU tests use it to shrink the candidate buffer.

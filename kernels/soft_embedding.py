@@ -427,14 +427,6 @@ GPU_CONFIGS = (
     TileConfig(128, 256, 64, 8, 3),
     TileConfig(128, 256, 32, 8, 4),
 )
-# Timed by the benchmark's --sweep only: 64 x 512 tiles, where both warpgroups share the A rows
-# (64 x 256 each) for half the exps per flop; H = 2816 = 5.5 x 512, so the last N tile runs as
-# 64 x 256 (HALF_LAST_N).
-SWEEP_CONFIGS = GPU_CONFIGS + (
-    TileConfig(64, 512, 64, 8, 2),
-    TileConfig(64, 512, 64, 8, 3),  # 16-bit logits only (fp32 needs 240 KB of buffers)
-    TileConfig(64, 512, 32, 8, 4),
-)
 SHARED_MEMORY_BYTES = 227 * 1024  # Hopper's per-block limit
 # The interpreter: small tiles so that tests cover several M/N tiles, split-K and masking, with
 # a deep K block because the interpreter's cost is per operation, not per element.

@@ -647,9 +647,9 @@ def threshold_rows(logits, row_request, row_position, temperature, inv_t, seeds,
     Scratch: the sub-block tables ([N, V / sub] fp32, twice with top-p: 4 MiB per 1024 rows
     at V = 262144) and a candidate buffer per search program.
 
-    Search defaults (timed with top-k 50 and top-p 0.9 by ``bench/bench_row_stats.py
-    --threshold-sweep``). The search is bound by its latency per row, so the defaults put more
-    rows in flight and shorten each row's chain of dependent steps:
+    Search defaults (timed with top-k 50 and top-p 0.9; ``docs/performance-history.md``). The
+    search is bound by its latency per row, so the defaults put more rows in flight and shorten
+    each row's chain of dependent steps:
 
     * 2 warps per row and 10 programs per SM. With more rows than fit uncapped (4 programs per
       SM), ``maxnreg="auto"`` caps the registers at 96: it spills, but more programs hide more

@@ -592,11 +592,11 @@ def test_vocabulary_parts_config_rejects(interpret, blocks):
 def test_kernel_compiles_for_sm90_without_spills():
     """The kernel, unsplit and split, compiles for sm_90 with the Triton installed here (in CI
     the latest release; the device runs 3.6) without register spills, and the split kernel
-    issues all its atomics under one predicate, as its merge needs (``bench/compile_sm90.py
+    issues all its atomics under one predicate, as its merge needs (``tools/compile_sm90.py
     --row-stats``: a stand-in driver, no GPU)."""
-    bench = Path(__file__).resolve().parents[1] / "bench"
+    tools = Path(__file__).resolve().parents[1] / "tools"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, str(bench / "compile_sm90.py"), "--row-stats",
+    run = subprocess.run([sys.executable, str(tools / "compile_sm90.py"), "--row-stats",
                           "--dtypes", "float32,bfloat16"], env=env, capture_output=True,
                          text=True, timeout=600)
     report = [line for line in run.stdout.splitlines() if " shared " in line]
@@ -695,9 +695,8 @@ def test_gpu_rows_times_vocab_above_2_pow_31():
 def test_gpu_descriptor_walk_changes_no_bit(dtype):
     """Whole groups through the TMA descriptor (the default on Hopper), 3 or 4 stages deep,
     against the register-prefetch walk: every output bit-identical for a row stride that is a
-    multiple of 16 elements (with another, the register walk sums in another order:
-    bench/diag_walk_bits.py), with a ragged last group (a column slice of a wider tensor),
-    NaN / +inf / -inf rows, a new maximum in every block, greedy rows, a sliced vocabulary
+    multiple of 16 elements (with another, the register walk sums in another order), with a
+    ragged last group (a column slice of a wider tensor), NaN / +inf / -inf rows, a new maximum in every block, greedy rows, a sliced vocabulary
     (vocab_offset on a sampling-block boundary), sample keys and top-k / top-p thresholds."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("TMA needs Hopper or later")
@@ -731,7 +730,7 @@ def test_gpu_request_bits_independent_of_batch(dtype):
     """One request's rows alone (256 rows: the chip mostly idle) and inside a batch of 6
     requests give bit-identical statistics and sample keys under the default config. The
     row stride (262144 - 296) is not a multiple of 16 elements: there the register walk sums
-    in another order than the descriptor walk (bench/diag_walk_bits.py), so a walk chosen by
+    in another order than the descriptor walk, so a walk chosen by
     the number of rows would show here."""
     width, n_req = 256, 6
     logits, row_request, row_position, temperature, seeds, draws = _gpu_rows(

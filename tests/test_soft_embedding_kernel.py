@@ -703,11 +703,11 @@ def test_gpu_wgmma_kernel_matches_the_triton_kernel(requests, logits_dtype):
 def test_gluon_kernel_compiles_for_sm90_without_spills():
     """The Hopper kernel compiles for sm_90 with the Triton installed here (in CI the latest
     release; the device runs 3.6), each fp32 / bf16 specialization without register spills
-    (``bench/compile_sm90.py``: a stand-in driver, no GPU)."""
+    (``tools/compile_sm90.py``: a stand-in driver, no GPU)."""
     pytest.importorskip("dgemma_sampler.kernels.soft_embedding_wgmma")
-    bench = Path(__file__).resolve().parents[1] / "bench"
+    tools = Path(__file__).resolve().parents[1] / "tools"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, str(bench / "compile_sm90.py"), "--dtypes", "float32,bfloat16"],
+    run = subprocess.run([sys.executable, str(tools / "compile_sm90.py"), "--dtypes", "float32,bfloat16"],
                          env=env, capture_output=True, text=True, timeout=600)
     report = [line for line in run.stdout.splitlines() if " shared " in line]
     assert run.returncode == 0 and len(report) == 4, run.stdout[-2000:] + run.stderr[-2000:]

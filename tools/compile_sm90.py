@@ -1,0 +1,203 @@
+"""Compile the Gluon soft-embedding GEMM (or the row-statistics kernel) for sm_90 without a GPU.
+
+Triton compiles for a target it is told, and ptxas ships in the wheel: with the driver
+replaced by a stand-in that names an H100/H200 (sm_90) and launches turned into warm-ups,
+``soft_embedding_wgmma.launch`` compiles exactly what it would run, and ptxas reports the
+registers, spills and shared memory of each specialization (fp32 / bf16 / fp16 logits, with
+and without a top-k/top-p threshold). Use it to check a kernel change before spending device
+time; speed still needs the GPU.
+
+The device runs Triton 3.6; to compile with that version here, put its wheel in a virtualenv
+of its own and borrow torch and this package from the project's ``.venv``:
+
+    python3 -m venv /tmp/t36 && /tmp/t36/bin/pip install --no-deps triton==3.6.0
+    /tmp/t36/bin/python tools/compile_sm90.py --site .venv/lib/python3.11/site-packages \\
+        [--sass /tmp/sass] [--loops]
+
+``--sass DIR`` writes each specialization's PTX and SASS (compare two trees' SASS to show that
+a change compiles to the same code); ``--loops`` prints the SASS instruction count of each
+consumer warpgroup's K loop. With the project's own interpreter it compiles with the Triton
+installed there (``tests/`` runs it that way).
+
+``--row-stats`` compiles the row-statistics kernel instead (fp32 / bf16 logits, the descriptor
+walk, unsplit and split into parts) and checks, in the split kernel's PTX, what its merge
+relies on: every atomic of a program issued under one predicate (its thread 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import site
+import subprocess
+import sys
+import tempfile
+
+
+def mma_loop_lengths(sass: str) -> list[int]:
+    """Instruction counts of the innermost loops (a backward branch and its target) that hold
+    an HGMMA, in address order: the consumer warpgroups' K loops (one per warpgroup and loop)."""
+    import re
+
+    ins = [(int(m.group(1), 16), m.group(2)) for m in
+           re.finditer(r"/\*([0-9a-f]{4,6})\*/\s+([^;]*);", sass)]
+    mma = [a for a, text in ins if "HGMMA" in text]
+    loops = set()
+    for a, text in ins:
+        m = re.search(r"BRA\s+(?:\S+\s+)?0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < a and any(int(m.group(1), 16) <= h <= a for h in mma):
+            loops.add((int(m.group(1), 16), a))
+    # a range that contains or overlaps a shorter one is not an innermost loop
+    inner = sorted(l for l in loops if not any(
+        o != l and o[1] - o[0] < l[1] - l[0] and o[0] <= l[1] and l[0] <= o[1] for o in loops))
+    return [sum(1 for a, _ in ins if lo <= a <= hi) for lo, hi in inner]
+
+
+def assemble(ptxas: str, ptx: str, cubin: str):
+    """ptxas -v of one kernel's PTX: (the completed process, its resource and error lines)."""
+    path = cubin[:-len(".cubin")] + ".ptx"
+    with open(path, "w") as f:
+        f.write(ptx)
+    report = subprocess.run([ptxas, "-v", "-arch=sm_90a", path, "-o", cubin],
+                            capture_output=True, text=True)
+    lines = [line.split(":", 1)[-1].strip() for line in (report.stdout + report.stderr).splitlines()
+             if any(k in line for k in ("Used", "spill", "arning", "rror", "fatal"))]
+    return report, lines
+
+
+def atomic_predicates(ptx: str) -> tuple[int, set[str]]:
+    """(number of global atomics, the predicates they are issued under) in a kernel's PTX."""
+    import re
+
+    found = re.findall(r"^\s*(@%p\d+)?\s*atom\.global", ptx, flags=re.M)
+    return len(found), set(found)
+
+
+def compile_row_stats(args, ptxas: str) -> bool:
+    """Compile ``row_stats_rows``'s kernel as an H200 would run it (the descriptor walk forced
+    on: its test needs a CUDA tensor) for each dtype, unsplit and split; report registers and
+    spills, and check the split kernel's atomics. Returns whether all is well."""
+    import torch
+    from triton.runtime.jit import JITFunction
+
+    from dgemma_sampler.kernels import row_stats as rs
+
+    compiled = []
+    warm = JITFunction.run
+
+    def keep(self, *a, **kw):
+        compiled.append(warm(self, *a, **kw))
+        return compiled[-1]
+
+    JITFunction.run = keep
+    rs._tma_walk = lambda logits, cfg, block, aligned: bool(cfg.get("tma")) and aligned
+    rs.interpreting = lambda: False
+    ok = True
+    n, v = 256, 262144
+    for dtype in (getattr(torch, name) for name in args.dtypes.split(",")):
+        for blocks in (None, 4):
+            rows = torch.zeros(n, dtype=torch.int32)
+            ones, zeros = torch.ones(1), torch.zeros(1, dtype=torch.int64)
+            rs.row_stats_rows(torch.empty(n, v, dtype=dtype), rows, rows, ones, zeros, zeros,
+                              config=dict(part_blocks=blocks))
+            kernel = compiled[-1]
+            name = f"{str(dtype).replace('torch.', '')}_{'split' if blocks else 'whole'}"
+            with tempfile.TemporaryDirectory() as tmp:
+                report, lines = assemble(ptxas, kernel.asm["ptx"], os.path.join(tmp, "k.cubin"))
+            n_atomics, predicates = atomic_predicates(kernel.asm["ptx"])
+            atomics_ok = (n_atomics > 0 and len(predicates) == 1 and "" not in predicates
+                          if blocks else n_atomics == 0)
+            print(f"{name:20s} shared {kernel.metadata.shared} B | " + " | ".join(lines)
+                  + f" | atomics {n_atomics} under {len(predicates)} predicate(s)"
+                  + ("" if atomics_ok else " UNEXPECTED"))
+            ok &= report.returncode == 0 and atomics_ok
+    return ok
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--site", help="a site-packages that provides torch and dgemma_sampler, "
+                    "appended to the path (this interpreter's own packages, triton first, stay ahead)")
+    ap.add_argument("--sass", metavar="DIR", help="also write each specialization's PTX and SASS here")
+    ap.add_argument("--loops", action="store_true", help="also print the SASS instruction count "
+                    "of each innermost loop that issues a wgmma (the consumer warpgroups' K loops: "
+                    "instructions per warp and K step)")
+    ap.add_argument("--dtypes", default="float32,bfloat16,float16", help="logits dtypes to compile")
+    ap.add_argument("--row-stats", action="store_true", help="compile the row-statistics kernel "
+                    "(unsplit and split walk) instead of the GEMM")
+    args = ap.parse_args()
+    if args.site:
+        site.addsitedir(args.site)
+
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    class Sm90Driver:
+        """Just enough of a driver for the JIT to pick sm_90 and compile."""
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+        def is_active(self):
+            return True
+
+    driver.set_active(Sm90Driver())
+    run = JITFunction.run
+    JITFunction.run = lambda self, *a, grid, warmup, **kw: run(self, *a, grid=grid, warmup=True, **kw)
+
+    from triton.backends.nvidia.compiler import get_ptxas
+    ptxas = get_ptxas(90).path  # the ptxas this Triton compiles sm_90 with
+    print(f"triton {triton.__version__}, {ptxas}")
+    if args.row_stats:
+        sys.exit(0 if compile_row_stats(args, ptxas) else 1)
+
+    from dgemma_sampler.kernels import soft_embedding as se
+    from dgemma_sampler.kernels import soft_embedding_wgmma as wg
+    n, v, h = 8192, 4096, 2816  # the real row count and hidden size; any vocabulary compiles alike
+    failed = False
+    for dtype in (getattr(torch, name) for name in args.dtypes.split(",")):
+        logits = torch.empty(n, v, dtype=dtype)
+        embed = torch.empty(v, h, dtype=torch.bfloat16)
+        row_request = torch.zeros(n, dtype=torch.int32)
+        inv_t, lse, out = torch.ones(1), torch.zeros(n), torch.empty(n, h)
+        cfg = se.TileConfig(wg.BLOCK_M, wg.BLOCK_N, wg.BLOCK_K, wg.NUM_WARPS,
+                            wg.stages_for(dtype, embed.dtype))
+        plan = se.plan_split(n, n, h, v, cfg, 132)
+        for threshold in (None, lse):
+            kernel = wg.launch(logits, row_request, inv_t, lse, embed, None, 1.0, out, keep=None,
+                               threshold=threshold, out_index=None, vocab_start=0, plan=plan,
+                               scratch=inv_t, placeholder=inv_t)
+            name = f"{str(dtype).replace('torch.', '')}{'_threshold' if threshold is not None else ''}"
+            with tempfile.TemporaryDirectory() as tmp:
+                cubin = os.path.join(tmp, "k.cubin")
+                report, lines = assemble(ptxas, kernel.asm["ptx"], cubin)
+                print(f"{name:20s} shared {kernel.metadata.shared} B | " + " | ".join(lines))
+                failed |= report.returncode != 0
+                cuobjdump = os.path.join(os.path.dirname(ptxas), "cuobjdump")
+                if (args.sass or args.loops) and report.returncode == 0 and os.path.exists(cuobjdump):
+                    sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True,
+                                          text=True).stdout
+                if args.loops and report.returncode == 0 and os.path.exists(cuobjdump):
+                    print(f"{'':20s} wgmma loops: instructions {mma_loop_lengths(sass)}")
+                if args.sass and report.returncode == 0 and os.path.exists(cuobjdump):
+                    os.makedirs(args.sass, exist_ok=True)
+                    for ext, text in (("ptx", kernel.asm["ptx"]), ("sass", sass)):
+                        with open(os.path.join(args.sass, f"{name}.{ext}"), "w") as f:
+                            f.write(text)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
