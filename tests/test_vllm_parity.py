@@ -23,7 +23,6 @@ distributionally instead, and our own reproducibility is tested separately.
 from __future__ import annotations
 
 import importlib.util
-import logging
 import math
 
 import numpy as np
@@ -38,8 +37,10 @@ if importlib.util.find_spec("vllm") is None:
 import vllm_harness as vh  # noqa: E402  (sets the CPU environment before vLLM loads)
 from vllm_harness import Decode, Prefill  # noqa: E402
 
-from dgemma_sampler.vllm import plugin  # noqa: E402
-from dgemma_sampler.vllm.sampler import FusedDiffusionSampler  # noqa: E402
+if vh.RELEASE == "0.34":
+    from dgemma_sampler.vllm.v0_34 import FusedDiffusionSampler  # noqa: E402
+else:
+    from dgemma_sampler.vllm.v0_33 import FusedDiffusionSampler  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -665,63 +666,6 @@ def test_triton_backend_shared_allowed_set():
         out, _ = pair.step(entries, lg.rows(entries, spec, cols=len(allowed)))
         emitted += out.logprobs_tensors is not None
     assert emitted == 1
-
-
-# ------------------------------------------------------------------------------------------
-# The plugin
-# ------------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def vllm_module(monkeypatch):
-    """vLLM's DiffusionGemma module with its own sampler installed; whatever a test installs
-    is undone afterwards (monkeypatch restores the attribute)."""
-    dg = vh.dg
-    monkeypatch.setattr(dg, "DiffusionSampler", vh.DiffusionSampler)
-    monkeypatch.delenv(plugin.DISABLE_ENV, raising=False)
-    return dg
-
-
-def test_plugin_installs_our_sampler(vllm_module):
-    from importlib.metadata import entry_points
-
-    eps = [ep for ep in entry_points(group="vllm.general_plugins") if ep.name == "dgemma_sampler"]
-    assert len(eps) == 1 and eps[0].load() is plugin.register
-    # The model state builds its sampler through this module global.
-    assert "DiffusionSampler" in vh.dg.DiffusionGemmaModelState.custom_sampler.__code__.co_names
-    assert not plugin.active()
-    assert plugin.register() is True
-    assert vllm_module.DiffusionSampler is FusedDiffusionSampler and plugin.active()
-    assert plugin.register() is True  # idempotent
-    assert vllm_module.DiffusionSampler is FusedDiffusionSampler
-
-
-@pytest.mark.parametrize("value", ["1", "yes"])
-def test_plugin_disabled_by_env(vllm_module, monkeypatch, caplog, value):
-    monkeypatch.setenv(plugin.DISABLE_ENV, value)
-    with caplog.at_level(logging.DEBUG, logger="dgemma_sampler"):
-        assert plugin.register() is False
-    assert vllm_module.DiffusionSampler is vh.DiffusionSampler
-    assert len(caplog.records) == 1 and plugin.DISABLE_ENV in caplog.records[0].getMessage()
-    for value in ("0", "", "false"):  # explicit "off" values leave it enabled
-        monkeypatch.setenv(plugin.DISABLE_ENV, value)
-        assert plugin.register() is True
-        monkeypatch.setattr(vllm_module, "DiffusionSampler", vh.DiffusionSampler)
-
-
-@pytest.mark.parametrize("version", ["0.34.0", "0.32.1", "1.0.0.dev3"])
-def test_plugin_refuses_other_vllm_versions(vllm_module, monkeypatch, caplog, version):
-    import vllm
-
-    monkeypatch.setattr(vllm, "__version__", version)
-    with caplog.at_level(logging.DEBUG, logger="dgemma_sampler"):
-        assert plugin.register() is False
-    assert vllm_module.DiffusionSampler is vh.DiffusionSampler and not plugin.active()
-    assert len(caplog.records) == 1
-    record = caplog.records[0]
-    assert record.levelno == logging.WARNING and version in record.getMessage()
-    assert plugin.supported("0.33.0") and plugin.supported("0.33.2rc1")
-    assert not plugin.supported("0.330.0")
 
 
 def test_constrained_top_k_reads_alike_on_both_paths():
