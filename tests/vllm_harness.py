@@ -298,6 +298,27 @@ class IdentityProjection:
         return hidden.clone() if allowed is None else hidden[:, allowed]
 
 
+class LmHeadProjection:
+    """A 0.34 ``compute_logits`` as DiffusionGemma's: hidden states ``[rows, H]`` times the
+    tied LM head in its dtype, then the final softcap in fp32; on a shared-set step only the
+    allowed rows of the head. Counts calls and rows (``calls``)."""
+
+    def __init__(self, states: Any, weight: torch.Tensor, softcap: float | None = 30.0) -> None:
+        self.states = states
+        self.weight = weight
+        self.softcap = softcap
+        self.calls: list[int] = []
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.calls.append(hidden.shape[0])
+        allowed = self.states.step_allowed
+        weight = self.weight if allowed is None else self.weight[allowed]
+        logits = torch.nn.functional.linear(hidden.to(weight.dtype), weight).float()
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
 def make_runner_sampler(
     max_num_reqs: int,
     canvas_length: int,
@@ -362,7 +383,8 @@ def make_vllm_sampler(
         normalizer = torch.tensor(normalizer, dtype=embed_weight.dtype)
     embed_weight = embed_weight.to(device)
     normalizer = normalizer.to(device)
-    assert embed_weight.shape == (vocab_size, hidden), (embed_weight.shape, vocab_size, hidden)
+    # [vocab, hidden], or under tensor parallelism a rank's (padded) shard of it.
+    assert embed_weight.dim() == 2 and embed_weight.shape[1] == hidden, (embed_weight.shape, hidden)
 
     states = DiffusionGemmaRequestStates(
         max_num_reqs=max_num_reqs,
