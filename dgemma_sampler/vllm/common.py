@@ -32,43 +32,11 @@ from ..config import SamplerConfig
 from ..keyed_noise import Stream, random_tokens
 from ..ops import resolve_backend
 from ..runner import LogprobRequest, LogprobRows, StepRunner
-from ..state import to_device_int64
+from .device import VllmRequestOptions, decode
 
 
 def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)
-
-
-class VllmRequestOptions:
-    """``runner.RequestOptions`` read from vLLM's sampling states and diffusion states."""
-
-    def __init__(self, sampler: Any) -> None:
-        self.sampler = sampler
-        self.generation = 0  # moved by ``FusedSampler.add_request``
-
-    def top_k_top_p(self, slots: list[int], slots_t: torch.Tensor):
-        # vLLM stores "no top-k" as the vocabulary size and "no top-p" as 1.
-        ss = self.sampler.sampling_states
-        k_on = bool((ss.top_k.np[slots] < self.sampler.vocab_size).any())
-        p_on = bool((ss.top_p.np[slots] < 1.0).any())
-        return (ss.top_k.gpu[slots_t].to(torch.int64) if k_on else None,
-                ss.top_p.gpu[slots_t] if p_on else None)
-
-    def allowed_rows(self, slots: list[int], vocab: int) -> torch.Tensor | None:
-        states = self.sampler.diffusion_states
-        if not any(s in states.constrained for s in slots):
-            return None
-        mask = torch.ones(len(slots), vocab, dtype=torch.bool, device=states.device)
-        for i, s in enumerate(slots):
-            ids = states.constrained.get(s)
-            if ids is not None:
-                mask[i] = False
-                mask[i, states.allowed_tensor(ids)] = True
-        return mask
-
-    def any_pins(self, slots: list[int]) -> bool:
-        # Pins come with a seed canvas only, so the seeded slots cover the pinned ones.
-        return not self.sampler.diffusion_states.seeded_slots.isdisjoint(slots)
 
 
 class FusedSampler:
@@ -88,7 +56,7 @@ class FusedSampler:
             max_denoising_steps=states.max_denoising_steps, canvas_length=self.canvas_length,
         )
         self.backend = resolve_backend(backend, states.device)
-        self.options = VllmRequestOptions(self)
+        self.options = VllmRequestOptions(self.sampling_states, states, self.vocab_size)
         self.runner = StepRunner(
             self.cfg, states, self.options,
             self.embed_weight[: self.sc_vocab_end - self.sc_vocab_start], self.normalizer,
@@ -156,26 +124,16 @@ class FusedSampler:
 
     def _decode(self, rows, input_batch, slots_np, nlogits_np, decode_idx_np, sampled,
                 num_sampled, project, logits_itemsize) -> None:
-        states = self.diffusion_states
+        column_tokens = self.diffusion_states.step_allowed  # a shared set: [rows, K] logits
         decode_slots_np = slots_np[decode_idx_np].astype(np.int64)
-        valid_np = nlogits_np[decode_idx_np].astype(np.int64)
-        widths_np = states.canvas_width_np[decode_slots_np].astype(np.int64)
-        column_tokens = states.step_allowed  # a shared allowed set: logits are [rows, K]
-        vocab = self.vocab_size if column_tokens is None else column_tokens.numel()
-        hidden = project is not None
-        out = self.runner.step(
-            decode_slots_np.tolist(), valid_np, widths_np, vocab=vocab,
-            logits=None if hidden else rows, hidden_states=rows if hidden else None,
+        decode(
+            self.runner, rows, decode_slots=decode_slots_np, decode_idx=decode_idx_np,
+            valid=nlogits_np[decode_idx_np], column_tokens=column_tokens,
+            vocab=self.vocab_size if column_tokens is None else column_tokens.numel(),
+            sampled=sampled, num_sampled=num_sampled, draft_tokens=self.req_states.draft_tokens,
+            all_slots=input_batch.idx_mapping[: input_batch.num_reqs],
             project=project, logits_itemsize=logits_itemsize,
-            # vLLM's compute_logits applies the final softcap itself.
-            softcap=None, column_tokens=column_tokens,
             logprobs=self._logprob_request(slots_np, decode_slots_np, column_tokens))
-        W = out.sampled.shape[1]
-        decode_idx = to_device_int64(rows.device, decode_idx_np)[0]
-        sampled[decode_idx, :W] = out.sampled.to(sampled.dtype)
-        num_sampled[decode_idx] = out.num_sampled.to(num_sampled.dtype)
-        all_slots = input_batch.idx_mapping[: input_batch.num_reqs]
-        self.req_states.draft_tokens[all_slots, :W] = states.canvas[all_slots, :W]
 
     # ------------------------------------------------------------------ tensor parallelism
     def _sharded_row_stats(self, *args: Any, **kwargs: Any):

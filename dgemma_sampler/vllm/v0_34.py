@@ -12,7 +12,7 @@ for five fp32 ``[W, V]`` copies per request (projection, top-k/top-p copy, softm
 logits for logprobs), the adapter projects only the valid rows of a tile of requests (in
 batch order; phantom positions count as uniform rows without being projected) and sizes tiles
 for what ``compute_logits`` holds: its output in the model dtype and the fp32 softcapped copy
-it returns (``SOFTCAP_COPY_BYTES``). Everything after the projection reads those logits in
+it returns (``device.projected_logit_bytes``). Everything after the projection reads those logits in
 place (``runner.StepRunner``).
 
 ``profile_run`` is 0.34's own: one dummy full-canvas request through ``__call__``, so the
@@ -30,9 +30,7 @@ import torch
 from vllm.model_executor.models import diffusion_gemma as _dg
 
 from .common import FusedSampler
-
-# Bytes per projected logit besides the model dtype's: compute_logits' fp32 softcapped copy.
-SOFTCAP_COPY_BYTES = 4
+from .device import projected_logit_bytes
 
 
 class FusedDiffusionSampler(FusedSampler, _dg.DiffusionSampler):
@@ -42,7 +40,7 @@ class FusedDiffusionSampler(FusedSampler, _dg.DiffusionSampler):
                  draft_logits: torch.Tensor | None = None) -> Any:
         return self._sample(
             hidden_states, input_batch, project=self._project,
-            logits_itemsize=self.embed_weight.element_size() + SOFTCAP_COPY_BYTES)
+            logits_itemsize=projected_logit_bytes(self.embed_weight))
 
     def _project(self, hidden_rows: torch.Tensor, lengths: np.ndarray) -> torch.Tensor:
         """One tile's logits: vLLM's own ``compute_logits`` over the tile's valid rows."""
