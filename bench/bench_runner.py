@@ -48,11 +48,13 @@ SOFTCAP = 30.0
 
 
 def compute_logits(weight: torch.Tensor):
-    """DiffusionGemma's ``compute_logits``: the tied head in its dtype, the fp32 softcap."""
+    """DiffusionGemma's ``compute_logits``: the tied head in its dtype, then the softcap in
+    fp32 in place (vLLM compiles it into one kernel: the head's output and its fp32 copy are
+    all it holds)."""
 
     def project(hidden: torch.Tensor, lengths=None) -> torch.Tensor:
         logits = torch.nn.functional.linear(hidden, weight).float()
-        return torch.tanh(logits / SOFTCAP) * SOFTCAP
+        return logits.div_(SOFTCAP).tanh_().mul_(SOFTCAP)
 
     return project
 
@@ -113,34 +115,7 @@ def main(argv=None) -> int:
     project = compute_logits(weight)
     results = []
     for n in [int(x) for x in args.requests.split(",")]:
-        rows = n * args.canvas
-        hidden = torch.randn(rows, args.hidden, generator=gen, device=device).to(torch.bfloat16)
-        logits = project(hidden)
-        row = {"requests": n}
-        for name, fn_of in (
-            ("v0.34", lambda s: (lambda: s.step(hidden, project))),
-            ("v0.33", lambda s: (lambda: s.step(logits))),
-        ):
-            s = VllmStandIn(n, args.canvas, args.vocab, args.hidden, weight, device,
-                            args.hidden_tile_bytes)
-            fn = fn_of(s)
-            row[f"{name}_ms"] = device_timer(fn, warmup, args.reps, cuda)
-            row[f"{name}_transient_bytes"] = transient_bytes(fn, cuda)
-            row[f"{name}_tile_requests"] = s.runner.last_tile_requests
-            del s
-        row["projection_ms"] = device_timer(lambda: project(hidden), warmup, args.reps, cuda)
-        cfg = ds.SamplerConfig(canvas_length=args.canvas, confidence_threshold=0.0,
-                               max_denoising_steps=1_000_000)
-        state = ds.DiffusionState(n, cfg, args.vocab, args.hidden, device)
-        for s in range(n):
-            state.add_request(s, seed=1000 + s)
-        sampler = ds.DiffusionSampler(cfg, state, weight, float(args.hidden) ** 0.5)
-        sampler.prefill(list(range(n)))
-        row["sampler_ms"] = device_timer(lambda: sampler.step(logits, list(range(n))), warmup,
-                                         args.reps, cuda)
-        del sampler, state, logits, hidden
-        row["v0.34_vs_parts"] = row["v0.34_ms"] / (row["projection_ms"] + row["v0.33_ms"])
-        row["v0.33_vs_sampler"] = row["v0.33_ms"] / row["sampler_ms"]
+        row = measure(n, args, weight, project, device, gen, warmup)
         results.append(row)
         print_row(row, args)
 
@@ -157,6 +132,38 @@ def main(argv=None) -> int:
         json.dump({"meta": meta, "results": results}, f, indent=1)
     print(f"wrote {out}")
     return 0
+
+
+def measure(n, args, weight, project, device, gen, warmup) -> dict:
+    """One row of the table: both adapters' paths and their parts at ``n`` requests."""
+    cuda = device == "cuda"
+    rows = n * args.canvas
+    hidden = torch.randn(rows, args.hidden, generator=gen, device=device).to(torch.bfloat16)
+    logits = project(hidden)
+    row = {"requests": n}
+    for name, rows_in, proj in (("v0.34", hidden, project), ("v0.33", logits, None)):
+        s = VllmStandIn(n, args.canvas, args.vocab, args.hidden, weight, device,
+                        args.hidden_tile_bytes)
+
+        def step(s=s, rows_in=rows_in, proj=proj):
+            s.step(rows_in, proj)
+
+        row[f"{name}_ms"] = device_timer(step, warmup, args.reps, cuda)
+        row[f"{name}_transient_bytes"] = transient_bytes(step, cuda)
+        row[f"{name}_tile_requests"] = s.runner.last_tile_requests
+    row["projection_ms"] = device_timer(lambda: project(hidden), warmup, args.reps, cuda)
+    cfg = ds.SamplerConfig(canvas_length=args.canvas, confidence_threshold=0.0,
+                           max_denoising_steps=1_000_000)
+    state = ds.DiffusionState(n, cfg, args.vocab, args.hidden, device)
+    for s in range(n):
+        state.add_request(s, seed=1000 + s)
+    sampler = ds.DiffusionSampler(cfg, state, weight, float(args.hidden) ** 0.5)
+    sampler.prefill(list(range(n)))
+    row["sampler_ms"] = device_timer(lambda: sampler.step(logits, list(range(n))), warmup,
+                                     args.reps, cuda)
+    row["v0.34_vs_parts"] = row["v0.34_ms"] / (row["projection_ms"] + row["v0.33_ms"])
+    row["v0.33_vs_sampler"] = row["v0.33_ms"] / row["sampler_ms"]
+    return row
 
 
 def print_row(row, args) -> None:

@@ -36,20 +36,27 @@ class Buffer(SimpleNamespace):
     """vLLM's staged per-slot arrays: ``np`` on the host, ``gpu`` on the device."""
 
 
-def projection(weight: torch.Tensor):
-    """``compute_logits`` as DiffusionGemma's (head in its dtype, fp32 softcap), one GEMM per
-    request so that a row's logits do not depend on the tile it lands in."""
+def projection(weight: torch.Tensor, per_request: bool = True):
+    """``compute_logits`` as DiffusionGemma's: the head in its dtype, then the softcap in
+    fp32 in place (vLLM compiles it into one kernel: the head's output and its fp32 copy are
+    all it holds). ``per_request``: one GEMM per request, so that a row's logits do not
+    depend on the tile it lands in (the comparisons need that; vLLM's is one GEMM)."""
 
     calls: list[int] = []
 
     def project(hidden: torch.Tensor, lengths: np.ndarray) -> torch.Tensor:
         calls.append(hidden.shape[0])
-        out, r = [], 0
-        for k in lengths:
-            out.append(torch.nn.functional.linear(hidden[r:r + int(k)].to(weight.dtype), weight))
-            r += int(k)
-        logits = torch.cat(out).float()
-        return torch.tanh(logits / SOFTCAP) * SOFTCAP
+        if per_request:
+            logits = torch.empty(hidden.shape[0], weight.shape[0], dtype=torch.float32,
+                                 device=hidden.device)
+            r = 0
+            for k in lengths:
+                part = hidden[r:r + int(k)].to(weight.dtype)
+                logits[r:r + int(k)] = torch.nn.functional.linear(part, weight)
+                r += int(k)
+        else:
+            logits = torch.nn.functional.linear(hidden.to(weight.dtype), weight).float()
+        return logits.div_(SOFTCAP).tanh_().mul_(SOFTCAP)
 
     project.calls = calls
     return project
@@ -197,6 +204,7 @@ def test_device_path_transient_memory_is_one_projected_tile_gpu():
     one = bytes_per_request(canvas, vocab, 2 + 4)
     su = Setup("cuda", n=c["n"], canvas=canvas, vocab=vocab, hidden=hidden, widths=c["widths"],
                top_k=c["top_k"], top_p=c["top_p"], backend="triton", graph_update=True, budget=one)
+    su.project = projection(su.weight, per_request=False)
     valid = np.asarray(c["valid"], dtype=np.int64)
     hidden_states = torch.randn(int(valid.sum()), hidden, device="cuda")
     peaks = []
