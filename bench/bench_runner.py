@@ -26,10 +26,7 @@ than 5%) and ``v0.33 <= 1.02 x sampler`` (the adapter adds no device work). Tran
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import sys
 from types import SimpleNamespace
 
@@ -37,6 +34,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import record  # noqa: E402
 from bench_step import GIB, device_timer, transient_bytes  # noqa: E402
 
 import dgemma_sampler as ds  # noqa: E402
@@ -105,7 +103,8 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=10 if cuda else 2)
     p.add_argument("--hidden-tile-bytes", type=int, default=1 << 30,
                    help="the runner's cap on one tile of projected logits")
-    p.add_argument("--out", default=None, help="JSON results (default bench/results/runner-<device>.json)")
+    p.add_argument("--out", default=None, help="JSON results elsewhere than the record "
+                   "(default bench/results/runner-<card>.json)")
     args = p.parse_args(argv)
     device = "cuda" if cuda else "cpu"
     warmup = 3 if cuda else 1
@@ -113,24 +112,15 @@ def main(argv=None) -> int:
     weight = (torch.randn(args.vocab, args.hidden, generator=gen, device=device)
               / args.hidden ** 0.5).to(torch.bfloat16)
     project = compute_logits(weight)
-    results = []
-    for n in [int(x) for x in args.requests.split(",")]:
-        row = measure(n, args, weight, project, device, gen, warmup)
-        results.append(row)
-        print_row(row, args)
-
-    meta = {
-        "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
-        "torch": torch.__version__, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "canvas": args.canvas, "vocab": args.vocab, "hidden": args.hidden, "reps": args.reps,
-        "hidden_tile_bytes": args.hidden_tile_bytes,
-    }
-    tag = meta["device"].replace(" ", "-").lower() if cuda else "cpu"
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                   f"runner-{tag}.json")
-    with open(out, "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=1)
-    print(f"wrote {out}")
+    shape = dict(canvas=args.canvas, vocab=args.vocab, hidden=args.hidden, reps=args.reps,
+                 hidden_tile_bytes=args.hidden_tile_bytes)
+    with record.Record("runner", args.out) as rec:
+        results = []
+        for n in [int(x) for x in args.requests.split(",")]:
+            row = measure(n, args, weight, project, device, gen, warmup)
+            results.append(row)
+            print_row(row, args)
+        rec.save({"shape": shape, "results": results}, {**shape, "rows": results})
     return 0
 
 
