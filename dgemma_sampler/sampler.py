@@ -1,71 +1,48 @@
 """The dispatcher: one whole decode step over a batch, with backend choice and request tiling.
 
-``DiffusionSampler`` owns no per-request state (``DiffusionState`` does); it picks the
-backend, cuts the decoding requests into tiles whose transient memory fits a budget read
-from ``torch.cuda.mem_get_info`` every step, and runs ``step.decode_step`` per tile. The
-keyed noise makes every tile size give the same result.
-
-Transient bytes per request (the budget formula, ``bytes_per_request``):
-
-* Triton backend, logits input: per canvas position a handful of O(1) statistics
-  (``STAT_BYTES`` = 64 bytes with padding and the row layout); the kernels materialise
-  nothing of size V. 32 requests x 256 positions cost about 0.5 MiB.
-* PyTorch backend: the oracle works on fp32 chunks of rows; per row it holds about
-  ``TORCH_BYTES_PER_ENTRY`` = 48 bytes per vocabulary entry (logits, z, exp, Gumbel bits as
-  int64 intermediates, masks), so its chunk of rows is sized from the budget instead.
-* Hidden-state input: the logits of a tile, ``W x V x itemsize`` bytes per request (the
-  projection stays in the model dtype; the kernels upcast and softcap in registers), plus
-  the above. Tiles of projected logits are further capped at ``hidden_tile_bytes`` (1 GiB):
-  larger tiles buy no speed once a tile fills the GPU.
+``DiffusionSampler`` owns no per-request state (``DiffusionState`` does) and does no device
+work of its own: it validates a step's inputs, turns them into host arrays and hands them to
+``runner.StepRunner``, the same runner the vLLM adapters call. The runner cuts the decoding
+requests into tiles whose transient memory fits a budget read from ``torch.cuda.mem_get_info``
+every step (hidden-state input) and runs ``step.decode_step`` per tile; the keyed noise makes
+every tile size give the same result. ``runner.py`` states the budget formula.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from . import envs, reference
 from .config import SamplerConfig
 from .ops import FLOAT_DTYPES, check_tensor, resolve_backend
+from .runner import LogprobRequest, LogprobRows, StepRunner
 from .state import DiffusionState, to_device_int64
-from .step import StepLayout, StepOutput, decode_step, step_layout
-from .update_graph import UpdateGraph
-
-STAT_BYTES = 64
-TORCH_BYTES_PER_ENTRY = 48
-DEFAULT_CPU_BUDGET = 1 << 30
-# Tile plans kept for reuse: a decoding batch keeps its shape for many steps, and a plan
-# (device index tensors, row layout, masks) costs a host->device copy and ~20 small ops.
-PLAN_CACHE_SIZE = 8
-TEMPERATURE_TABLE_MAX = 1 << 20  # entries (4 MiB)
+from .step import StepOutput
 
 
-def memory_budget(device: torch.device, fraction: float) -> int:
-    """Bytes the step may use for temporaries: a fraction of what the device has free."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * fraction)
-    return DEFAULT_CPU_BUDGET
+class _StateOptions:
+    """``runner.RequestOptions`` read from a ``DiffusionState``'s host mirrors."""
 
+    def __init__(self, state: DiffusionState) -> None:
+        self.state = state
 
-def bytes_per_request(width: int, vocab: int, logits_itemsize: int = 0) -> int:
-    """Transient bytes one request adds to a tile (``logits_itemsize`` > 0: projected logits)."""
-    return width * (STAT_BYTES + vocab * logits_itemsize)
+    @property
+    def generation(self) -> int:
+        return self.state.generation
 
+    def top_k_top_p(self, slots: list[int], slots_t: torch.Tensor):
+        s = self.state
+        k_on = bool((s.top_k_np[slots] > 0).any())
+        p_on = bool((s.top_p_np[slots] < 1.0).any())
+        return (s.top_k[slots_t] if k_on else None, s.top_p[slots_t] if p_on else None)
 
-def backend_functions(backend: str):
-    """The flat-row (stats, soft embedding, logprobs) functions of a resolved backend."""
-    if backend == "triton":
-        from .kernels.logprobs import token_logprobs_rows
-        from .kernels.row_stats import row_stats_rows
-        from .ops import triton_soft_embedding_rows
+    def allowed_rows(self, slots: list[int], vocab: int) -> torch.Tensor | None:
+        return self.state.allowed_mask(slots, vocab)
 
-        return row_stats_rows, triton_soft_embedding_rows, token_logprobs_rows
-    return reference.row_stats_rows, reference.soft_embedding_rows, reference.token_logprobs_rows
+    def any_pins(self, slots: list[int]) -> bool:
+        return any(s in self.state.pinned_slots for s in slots)
 
 
 class DiffusionSampler:
@@ -110,61 +87,44 @@ class DiffusionSampler:
                 f"embed_weight must have hidden size {state.hidden_size} (the state's), "
                 f"got shape {tuple(embed_weight.shape)}"
             )
-        if not 0.0 < memory_fraction <= 1.0:
-            raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction!r}")
         self.cfg = cfg
         self.state = state
         self.embed_weight = embed_weight.contiguous()
         self.normalizer = normalizer
         self.backend = resolve_backend(backend, state.device)
         self.vocab_start = vocab_start
-        self.sc_reduce = sc_reduce
-        self.memory_fraction = memory_fraction
-        self.budget_bytes = budget_bytes
-        self.hidden_tile_bytes = hidden_tile_bytes
-        if graph_update is None:
-            graph_update = state.device.type == "cuda" and envs.graph_update()
-        elif graph_update and state.device.type != "cuda":
-            raise ValueError("graph_update needs a CUDA device")
-        self.graph_update = bool(graph_update)
-        self.stats_fn, self.soft_fn, self.logprobs_fn = backend_functions(self.backend)
+        self.runner = StepRunner(
+            cfg, state, _StateOptions(state), self.embed_weight, normalizer,
+            backend=self.backend, vocab_size=state.vocab_size, vocab_start=vocab_start,
+            sc_reduce=sc_reduce, memory_fraction=memory_fraction, budget_bytes=budget_bytes,
+            hidden_tile_bytes=hidden_tile_bytes, graph_update=graph_update)
+        self.stats_fn, self.soft_fn, self.logprobs_fn = (
+            self.runner.stats_fn, self.runner.soft_fn, self.runner.logprobs_fn)
         self.pending_logprobs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self.last_tile_requests = 0
-        self._plans: OrderedDict[tuple, _TilePlan] = OrderedDict()
-        # The schedule temperature of every step count 0..N, computed once by the config's own
-        # formula on the device (so entries are bit-identical to computing it per step): one
-        # gather per step instead of six elementwise ops.
-        self._temperature_table = None
-        if cfg.max_denoising_steps <= TEMPERATURE_TABLE_MAX:
-            done = torch.arange(cfg.max_denoising_steps + 1, dtype=state.step.dtype, device=state.device)
-            self._temperature_table = cfg.temperature(done).to(torch.float32)
 
     # ---------------------------------------------------------------- plumbing
+    @property
+    def graph_update(self) -> bool:
+        """Whether the logits-free parts of a step are replayed from CUDA graphs."""
+        return self.runner.graph_update
+
+    @property
+    def last_tile_requests(self) -> int:
+        """Requests per tile of the last step."""
+        return self.runner.last_tile_requests
+
     def temperature_of(self, slots: torch.Tensor) -> torch.Tensor:
-        steps = self.state.step[slots]
-        if self._temperature_table is None:
-            return self.cfg.temperature(steps).to(torch.float32)
-        # max(N - n, 1) is constant past n = N - 1, so the table's last entry covers n >= N.
-        return self._temperature_table[steps.clamp(max=self.cfg.max_denoising_steps)]
+        return self.runner.temperature_of(slots)
+
+    def tile_requests(self, width: int, vocab: int, logits_itemsize: int) -> int:
+        """Requests per tile: ``budget // bytes_per_request``, the budget re-read now."""
+        return self.runner.tile_requests(width, vocab, logits_itemsize)
 
     def prefill(self, slots: Sequence[int]) -> None:
         """Requests whose prompt is done: draw their first canvas and start denoising."""
         for s in slots:
             self.state.check_slot(s)
         self.state.finish_prefill(list(slots))
-
-    def tile_requests(self, width: int, vocab: int, logits_itemsize: int) -> int:
-        """Requests per tile: ``budget // bytes_per_request``, the budget re-read now."""
-        budget = self.budget_bytes
-        if budget is None:
-            budget = memory_budget(self.state.device, self.memory_fraction)
-        if logits_itemsize:
-            budget = min(budget, self.hidden_tile_bytes)
-        return max(1, budget // bytes_per_request(width, vocab, logits_itemsize))
-
-    def _torch_chunk_rows(self, vocab: int) -> int:
-        budget = self.budget_bytes or memory_budget(self.state.device, self.memory_fraction)
-        return int(max(1, min(4096, budget // (vocab * TORCH_BYTES_PER_ENTRY))))
 
     # ---------------------------------------------------------------- the step
     def step(
@@ -238,42 +198,19 @@ class DiffusionSampler:
             empty = torch.zeros(0, dtype=torch.int64, device=state.device)
             return StepOutput(empty.view(0, 0), empty.int(), empty.bool(), None)
 
-        W = int(widths.max())
-        starts = np.concatenate(([0], np.cumsum(valid)[:-1])).astype(np.int64)
+        stash = None
+        if logprobs or logprob_token_ids:
+            stash = self._logprob_request(logprobs or {}, logprob_token_ids or {}, column_tokens)
+        project = None
         if hidden_input:
-            tile = self.tile_requests(W, vocab, hidden_states.element_size())
-        else:
-            # Logits input: the kernels need O(1) bytes per row, and the oracle bounds its
-            # memory per chunk of rows (``_torch_chunk_rows``): one tile.
-            tile = n
-        self.last_tile_requests = min(tile, n)
-        stats_fn = self.stats_fn
-        if self.backend == "torch":
-            chunk = self._torch_chunk_rows(vocab)
-            stats_fn = lambda *a, **k: reference.row_stats_rows(*a, chunk_rows=chunk, **k)  # noqa: E731
-        if column_tokens is not None and self.backend == "triton":
-            # Constrained reads hold only K << V columns: the oracle is cheap there and keys
-            # the noise by token id through ``column_tokens``.
-            stats_fn = reference.row_stats_rows
-
-        outputs: list[StepOutput] = []
-        for t0 in range(0, n, tile):
-            t1 = min(t0 + tile, n)
-            r0, r1 = int(starts[t0]), int(starts[t1 - 1] + valid[t1 - 1])
-            plan = self._plan_tile(slots[t0:t1], starts[t0:t1] - r0, valid[t0:t1], widths[t0:t1],
-                                   W, vocab, column_tokens)
-            if hidden_input:
-                tile_logits = self._project(hidden_states[r0:r1], output_weight, valid[t0:t1])
-            else:
-                tile_logits = logits[r0:r1]
-            out = self._run_tile(plan, tile_logits, stats_fn, hidden_input, column_tokens)
-            if logprobs or logprob_token_ids:
-                self._stash_logprobs(out, plan.slots, tile_logits, starts[t0:t1] - r0,
-                                     valid[t0:t1], plan.top_k, plan.top_p, plan.allowed,
-                                     logprobs or {}, logprob_token_ids or {}, hidden_input,
-                                     column_tokens)
-            outputs.append(out)
-        result = _concat(outputs)
+            def project(hidden, lengths):
+                return self._project(hidden, output_weight, lengths)
+        result = self.runner.step(
+            slots, valid, widths, vocab=vocab, logits=logits, hidden_states=hidden_states,
+            project=project,
+            logits_itemsize=hidden_states.element_size() if hidden_input else 0,
+            softcap=self.cfg.softcap if hidden_input else None,
+            column_tokens=column_tokens, logprobs=stash)
         if self.pending_logprobs:
             emitted = (result.num_sampled > 0).cpu().tolist()
             for s, e in zip(slots, emitted):
@@ -295,65 +232,12 @@ class DiffusionSampler:
         widths = state.canvas_width_np[slots].astype(np.int64)
         valid = widths.copy() if valid_len is None else np.asarray(valid_len, dtype=np.int64)
         starts = np.concatenate(([0], np.cumsum(valid)[:-1])).astype(np.int64)
-        plan = self._plan_tile(slots, starts, valid, widths, int(widths.max()), state.vocab_size, None,
-                               cache=False)
-        stats_fn = self.stats_fn
+        plan = self.runner.plan(slots, starts, valid, widths, state.vocab_size, cache=False)
 
         def run(logits: torch.Tensor) -> StepOutput:
-            return self._run_tile(plan, logits, stats_fn, False, None)
+            return self.runner.run_tile(plan, logits)
 
         return run
-
-    def _plan_tile(self, tile_slots, starts, valid, widths, W, vocab, column_tokens,
-                   cache: bool = True) -> "_TilePlan":
-        """The device side of a tile's host decisions; reused while the batch keeps its
-        shape and no request was added or removed (``state.generation``)."""
-        state = self.state
-        key = (state.generation, tuple(tile_slots), starts.tobytes(), valid.tobytes(),
-               widths.tobytes(), W, vocab, column_tokens is None)
-        plan = self._plans.get(key) if cache else None
-        if plan is not None:
-            self._plans.move_to_end(key)
-            return plan
-        # One pinned host buffer, one copy that does not wait for the GPU.
-        slots_t, row_starts, valid_t, width_t = to_device_int64(
-            state.device, tile_slots, starts, valid, widths)
-        top_k, top_p = self._top_k_top_p(tile_slots, slots_t)
-        layout = step_layout(
-            state, slots_t, row_starts, valid_t, width_t, W, int(valid.sum()),
-            full_width=bool((widths == W).all()),
-            any_pins=any(s in state.pinned_slots for s in tile_slots))
-        plan = _TilePlan(
-            slots=list(tile_slots), slots_t=slots_t, row_starts=row_starts, valid=valid_t,
-            width=width_t, W=W, top_k=top_k, top_p=top_p,
-            allowed=None if column_tokens is not None else state.allowed_mask(tile_slots, vocab),
-            layout=layout,
-            # Only a cached plan is seen again; constrained reads bring new columns every step.
-            update_graph=UpdateGraph() if cache and self.graph_update and column_tokens is None else None,
-        )
-        if cache and plan.allowed is None:  # ([n, V] masks are not worth holding on to)
-            self._plans[key] = plan
-            while len(self._plans) > PLAN_CACHE_SIZE:
-                self._plans.popitem(last=False)
-        return plan
-
-    def _run_tile(self, plan: "_TilePlan", tile_logits, stats_fn, hidden_input, column_tokens):
-        return decode_step(
-            self.state, tile_logits, plan.slots_t, plan.row_starts, plan.valid, plan.width, plan.W,
-            confidence_threshold=self.cfg.confidence_threshold,
-            entropy_bound=self.cfg.entropy_bound,
-            temperature_of=self.temperature_of,
-            stats_fn=stats_fn, soft_fn=self.soft_fn,
-            embed_weight=self._embed_for(column_tokens), normalizer=self.normalizer,
-            vocab_size=self.state.vocab_size,
-            softcap=self.cfg.softcap if hidden_input else None,
-            top_k=plan.top_k, top_p=plan.top_p, allowed=plan.allowed,
-            column_tokens=column_tokens,
-            vocab_start=self.vocab_start if column_tokens is None else 0,
-            sc_reduce=self.sc_reduce,
-            layout=plan.layout, noise_backend=self.backend,
-            update_runner=plan.update_graph,
-        )
 
     def _project(self, hidden: torch.Tensor, weight: torch.Tensor, lengths) -> torch.Tensor:
         """Logits of one tile, ``hidden @ weight.T`` in the model dtype (as vLLM's lm_head);
@@ -371,78 +255,24 @@ class DiffusionSampler:
             r += k
         return out
 
-    def _embed_for(self, column_tokens: torch.Tensor | None) -> torch.Tensor:
-        if column_tokens is None:
-            return self.embed_weight
-        # A constrained step's logits cover only the allowed ids: their K embedding rows.
-        return self.embed_weight[column_tokens - self.vocab_start].contiguous()
+    def _logprob_request(self, logprobs: dict[int, int], token_ids: dict[int, Sequence[int]],
+                         column_tokens: torch.Tensor | None) -> LogprobRequest:
+        """The stash of this step: top-n and / or named ids of the requests that ask."""
 
-    def _top_k_top_p(self, tile_slots: list[int], slots_t: torch.Tensor):
-        s = self.state
-        k_on = bool((s.top_k_np[tile_slots] > 0).any())
-        p_on = bool((s.top_p_np[tile_slots] < 1.0).any())
-        return (s.top_k[slots_t] if k_on else None, s.top_p[slots_t] if p_on else None)
-
-    def _stash_logprobs(self, out, tile_slots, tile_logits, starts, valid, top_k, top_p,
-                        allowed, logprobs, token_ids, hidden_input, column_tokens):
-        want = [s in logprobs or s in token_ids for s in tile_slots]
-        if not any(want):
-            return
-        converged = out.just_converged.cpu().tolist()  # the one host sync, as in vLLM
-        for j, s in enumerate(tile_slots):
-            if not (want[j] and converged[j]):
-                continue
-            k = int(valid[j])
-            rows = tile_logits[int(starts[j]): int(starts[j]) + k]
-            read_only = s in self.state.read_only_slots
-            # vLLM reports read-only requests at temperature 1, the others at the step's.
-            step_before = self.state.step[s] - 1
-            t = torch.ones((), device=rows.device) if read_only else \
-                self.cfg.temperature(step_before.unsqueeze(0)).to(torch.float32)[0]
-            inv_t = reference.inverse_temperature(t).expand(k).contiguous()  # one per row
-            thr = out.stats.threshold[j, :k]
-            allow = None if allowed is None else allowed[j].unsqueeze(0).expand(k, -1)
-            ids = token_ids.get(s)
+        def build(slot: int, r: LogprobRows):
+            k = r.rows.shape[0]
+            ids = token_ids.get(slot)
             ids_t = None
             if ids is not None:
-                ids_t = to_device_int64(rows.device, list(ids))[0].expand(k, -1)
-            selected = out.stats.argmax[j, :k]
+                ids_t = to_device_int64(r.rows.device, list(ids))[0].expand(k, -1)
+            selected = r.selected
             if column_tokens is not None:
                 selected = torch.searchsorted(column_tokens, selected)
-            res = self.logprobs_fn(rows, inv_t, thr, allow, selected, int(logprobs.get(s, 0)),
-                                   token_ids=ids_t,
-                                   softcap=self.cfg.softcap if hidden_input else None)
+            res = self.logprobs_fn(r.rows, r.inv_t, r.threshold, r.allowed, selected,
+                                   int(logprobs.get(slot, 0)), token_ids=ids_t, softcap=r.softcap)
             if column_tokens is not None:
                 res = (column_tokens[res[0]],) + tuple(res[1:])
-            self.pending_logprobs[s] = res
+            return res
 
-
-@dataclass
-class _TilePlan:
-    """Host decisions and device index tensors of one tile of decoding requests."""
-
-    slots: list[int]
-    slots_t: torch.Tensor
-    row_starts: torch.Tensor
-    valid: torch.Tensor
-    width: torch.Tensor
-    W: int
-    top_k: torch.Tensor | None
-    top_p: torch.Tensor | None
-    allowed: torch.Tensor | None
-    layout: StepLayout
-    update_graph: UpdateGraph | None = None
-
-
-def _concat(outputs: list[StepOutput]) -> StepOutput:
-    if len(outputs) == 1:
-        return outputs[0]
-    from .reference import RowStats
-
-    stats = RowStats(*(torch.cat(parts) for parts in zip(*(o.stats.as_tuple() for o in outputs))))
-    return StepOutput(
-        sampled=torch.cat([o.sampled for o in outputs]),
-        num_sampled=torch.cat([o.num_sampled for o in outputs]),
-        just_converged=torch.cat([o.just_converged for o in outputs]),
-        stats=stats,
-    )
+        return LogprobRequest(slots=set(logprobs) | set(token_ids), build=build,
+                              stash=self.pending_logprobs)

@@ -51,6 +51,6 @@ def test_soft_embedding_switches_become_arguments(monkeypatch, kernel_calls):
 def test_the_step_gets_the_dispatcher():
     """The sampler's Triton soft embedding is the one that reads the environment."""
     pytest.importorskip("triton")
-    from dgemma_sampler.sampler import backend_functions
+    from dgemma_sampler.runner import backend_functions
 
     assert backend_functions("triton")[1] is ops.triton_soft_embedding_rows

@@ -64,7 +64,7 @@ def test_fast_paths_match_the_general_step(widths, valid, pins):
             assert torch.equal(x, y) or torch.allclose(x, y, equal_nan=True)
         for name in FIELDS:
             assert torch.equal(getattr(a.state, name), getattr(b.state, name)), name
-    assert len(a._plans) == 1  # one batch shape, one plan
+    assert len(a.runner.plans) == 1  # one batch shape, one plan
 
 
 def test_plan_cache_follows_requests():
@@ -73,13 +73,13 @@ def test_plan_cache_follows_requests():
     slots = [1, 2, 3]
     logits = torch.randn(21, 301)
     sampler.step(logits, slots)
-    plan = next(iter(sampler._plans.values()))
+    plan = next(iter(sampler.runner.plans.values()))
     sampler.step(logits, slots)
-    assert next(iter(sampler._plans.values())) is plan
+    assert next(iter(sampler.runner.plans.values())) is plan
     sampler.state.add_request(2, seed=5, top_k=3, seed_canvas=list(range(7)), pinned=[1])
     sampler.prefill([2])
     sampler.step(logits, slots)
-    new = next(reversed(sampler._plans.values()))
+    new = next(reversed(sampler.runner.plans.values()))
     assert new is not plan and new.top_k is not None and new.layout.any_pins
     assert not plan.layout.any_pins and plan.top_k is None
 

@@ -58,9 +58,9 @@ def test_graph_update_matches_the_eager_update_gpu(valid):
     for a, b in kept:
         assert torch.equal(a.sampled, b.sampled) and torch.equal(a.stats.argmax, b.stats.argmax)
     captured = [p.update_graph.graph is not None and p.update_graph.prologue_graph is not None
-                for p in graphed._plans.values()]
+                for p in graphed.runner.plans.values()]
     assert captured and all(captured)
-    assert all(p.update_graph is None for p in eager._plans.values())
+    assert all(p.update_graph is None for p in eager.runner.plans.values())
 
 
 @pytest.mark.gpu
@@ -81,7 +81,7 @@ def test_step_captured_by_the_caller_after_the_update_graph_gpu():
             graphed.step(logits, slots, valid_len=valid)
             eager.step(logits, slots, valid_len=valid)
     torch.cuda.current_stream().wait_stream(stream)
-    assert all(p.update_graph.graph is not None for p in graphed._plans.values())
+    assert all(p.update_graph.graph is not None for p in graphed.runner.plans.values())
     user = torch.cuda.CUDAGraph()
     with torch.cuda.graph(user):
         captured = graphed.step(logits, slots, valid_len=valid)

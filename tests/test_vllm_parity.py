@@ -1,6 +1,9 @@
-"""Step-by-step parity of ``FusedDiffusionSampler`` with vLLM 0.33's own ``DiffusionSampler``.
+"""Step-by-step parity of ``FusedDiffusionSampler`` with the installed vLLM's own ``DiffusionSampler``.
 
-Both samplers run side by side through ``tests/vllm_harness.py``: the same constructor
+The same tests run against vLLM 0.33 (``dgemma_sampler.vllm.v0_33``: logits in) and 0.34
+(``v0_34``: hidden states in, projected by ``compute_logits`` a tile at a time; the harness
+feeds the tests' logits through an exact projection), whichever is installed; the tests of
+0.34's projection, tile sizes and ``profile_run`` run against 0.34 only. Both samplers run side by side through ``tests/vllm_harness.py``: the same constructor
 arguments, the same requests (real ``SamplingParams``), the same ``InputBatch`` per step and the
 same logits (a clone each: vLLM masks fp32 logits in place for top-k/top-p). After every step
 ``assert_same_step`` compares what the model runner and the next step read:
@@ -23,7 +26,6 @@ distributionally instead, and our own reproducibility is tested separately.
 from __future__ import annotations
 
 import importlib.util
-import logging
 import math
 
 import numpy as np
@@ -38,8 +40,10 @@ if importlib.util.find_spec("vllm") is None:
 import vllm_harness as vh  # noqa: E402  (sets the CPU environment before vLLM loads)
 from vllm_harness import Decode, Prefill  # noqa: E402
 
-from dgemma_sampler.vllm import plugin  # noqa: E402
-from dgemma_sampler.vllm.sampler import FusedDiffusionSampler  # noqa: E402
+if vh.RELEASE == "0.34":
+    from dgemma_sampler.vllm.v0_34 import FusedDiffusionSampler  # noqa: E402
+else:
+    from dgemma_sampler.vllm.v0_33 import FusedDiffusionSampler  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -667,63 +671,6 @@ def test_triton_backend_shared_allowed_set():
     assert emitted == 1
 
 
-# ------------------------------------------------------------------------------------------
-# The plugin
-# ------------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def vllm_module(monkeypatch):
-    """vLLM's DiffusionGemma module with its own sampler installed; whatever a test installs
-    is undone afterwards (monkeypatch restores the attribute)."""
-    dg = vh.dg
-    monkeypatch.setattr(dg, "DiffusionSampler", vh.DiffusionSampler)
-    monkeypatch.delenv(plugin.DISABLE_ENV, raising=False)
-    return dg
-
-
-def test_plugin_installs_our_sampler(vllm_module):
-    from importlib.metadata import entry_points
-
-    eps = [ep for ep in entry_points(group="vllm.general_plugins") if ep.name == "dgemma_sampler"]
-    assert len(eps) == 1 and eps[0].load() is plugin.register
-    # The model state builds its sampler through this module global.
-    assert "DiffusionSampler" in vh.dg.DiffusionGemmaModelState.custom_sampler.__code__.co_names
-    assert not plugin.active()
-    assert plugin.register() is True
-    assert vllm_module.DiffusionSampler is FusedDiffusionSampler and plugin.active()
-    assert plugin.register() is True  # idempotent
-    assert vllm_module.DiffusionSampler is FusedDiffusionSampler
-
-
-@pytest.mark.parametrize("value", ["1", "yes"])
-def test_plugin_disabled_by_env(vllm_module, monkeypatch, caplog, value):
-    monkeypatch.setenv(plugin.DISABLE_ENV, value)
-    with caplog.at_level(logging.DEBUG, logger="dgemma_sampler"):
-        assert plugin.register() is False
-    assert vllm_module.DiffusionSampler is vh.DiffusionSampler
-    assert len(caplog.records) == 1 and plugin.DISABLE_ENV in caplog.records[0].getMessage()
-    for value in ("0", "", "false"):  # explicit "off" values leave it enabled
-        monkeypatch.setenv(plugin.DISABLE_ENV, value)
-        assert plugin.register() is True
-        monkeypatch.setattr(vllm_module, "DiffusionSampler", vh.DiffusionSampler)
-
-
-@pytest.mark.parametrize("version", ["0.34.0", "0.32.1", "1.0.0.dev3"])
-def test_plugin_refuses_other_vllm_versions(vllm_module, monkeypatch, caplog, version):
-    import vllm
-
-    monkeypatch.setattr(vllm, "__version__", version)
-    with caplog.at_level(logging.DEBUG, logger="dgemma_sampler"):
-        assert plugin.register() is False
-    assert vllm_module.DiffusionSampler is vh.DiffusionSampler and not plugin.active()
-    assert len(caplog.records) == 1
-    record = caplog.records[0]
-    assert record.levelno == logging.WARNING and version in record.getMessage()
-    assert plugin.supported("0.33.0") and plugin.supported("0.33.2rc1")
-    assert not plugin.supported("0.330.0")
-
-
 def test_constrained_top_k_reads_alike_on_both_paths():
     """Deliberate difference: with top-k (or top-p) a constrained request keeps the top-k *of
     its allowed set*, on the shared K-space path and on the per-row path alike, so it reads
@@ -824,3 +771,148 @@ def test_entropy_bound_acceptance_matches():
                 else:
                     coincidences += in_top
     assert coincidences <= 2  # a renoised token lands in a 1..5-token set 1% of the time
+
+
+# ------------------------------------------------------------------------------------------
+# Tensor parallelism: a rank's vocabulary slice of the soft embedding
+# ------------------------------------------------------------------------------------------
+
+
+def test_tensor_parallel_slices_of_the_soft_embedding():
+    """Each tensor-parallel rank multiplies its own vocabulary slice ``[sc_vocab_start,
+    sc_vocab_end)`` of the probabilities by its (padded) shard of the embedding; the ranks'
+    partial sums add up to the whole. Two ranks are run one after the other with one rank's
+    constructor arguments each (``tp_size`` 1: no all-reduce), beside vLLM's sampler built
+    alike: each rank's partial soft embedding matches vLLM's, the padding rows of the shard
+    are never read, and the two partials add up to the unsliced soft embedding. Exact
+    scenario (every position takes its argmax), so the three runs share one trajectory."""
+    gen = torch.Generator().manual_seed(12)
+    embed = torch.randn(V, H, generator=gen).to(torch.bfloat16)
+    cut = 37  # not a multiple of any block size
+    pad = torch.full((5, H), 1e4, dtype=torch.bfloat16)  # padding rows: never read
+    shards = {"full": (0, V, embed), "rank0": (0, cut, torch.cat([embed[:cut], pad])),
+              "rank1": (cut, V, torch.cat([embed[cut:], pad]))}
+    entries = [Decode(0, CL), Decode(1, 5), Decode(2, 6)]
+    rows = [2.0 * torch.randn(sum(e.valid_len for e in entries), V, generator=gen)
+            for _ in range(4)]
+    soft = {}
+    for name, (start, end, weight) in shards.items():
+        torch.manual_seed(12)
+        pair = Pair(t_min=0.0, t_max=0.0, entropy_bound=BIG_BOUND, embed_weight=weight,
+                    sc_vocab_start=start, sc_vocab_end=end)
+        pair.add(0)
+        pair.add(1, extra_args={"diffusion_canvas_length": 5})
+        pair.add(2)
+        pair.step([Prefill(s, 4) for s in range(3)], torch.zeros(0, V), exact=True)
+        soft[name] = []
+        for logits in rows:
+            pair.step(entries, logits, exact=True)
+            soft[name].append(pair.ours.states.self_conditioning_embeds[:3].clone())
+    for full, a, b in zip(soft["full"], soft["rank0"], soft["rank1"]):
+        assert torch.isfinite(a).all() and torch.isfinite(b).all()
+        kept = (full != 0).any(-1)
+        assert kept.any()
+        assert rel_frobenius((a + b)[kept], full[kept]) <= 1e-2
+
+
+# ------------------------------------------------------------------------------------------
+# vLLM 0.34: hidden states in, logits projected a tile at a time
+# ------------------------------------------------------------------------------------------
+
+needs_034 = pytest.mark.skipif(vh.RELEASE != "0.34", reason="vLLM 0.34's hidden-state input")
+HID = 24  # the model's hidden size in the projection tests
+
+
+def lm_head(seed: int = 13) -> torch.Tensor:
+    return torch.randn(V, HID, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+def projected_pair(weight: torch.Tensor, **kw) -> Pair:
+    """Both samplers built with DiffusionGemma's projection (bf16 tied head, softcap 30)."""
+    return Pair(hidden=HID, embed_weight=weight,
+                compute_logits=lambda states: vh.LmHeadProjection(states, weight), **kw)
+
+
+@needs_034
+@pytest.mark.parametrize("tile", [1, 2, 5], ids=["tile-1", "tile-2", "one-tile"])
+def test_hidden_states_projected_per_tile(tile):
+    """Hidden states through a bf16 LM head and the softcap, top-k / top-p, logprobs (top-n
+    and ids), a narrow and a truncated canvas, a read-only request. vLLM pads each request
+    to its tile's width and projects the tile; ours projects the valid rows of ``tile``
+    requests at a time (budget from ``bytes_per_request`` with the projection's bytes),
+    and the steps agree."""
+    from dgemma_sampler.runner import bytes_per_request
+
+    vh.set_free_memory(0)  # vLLM: one request per tile
+    gen = torch.Generator().manual_seed(14)
+    torch.manual_seed(14)
+    weight = lm_head()
+    pair = projected_pair(weight)
+    runner = pair.ours.sampler.runner
+    itemsize = weight.element_size() + 4  # the head's output and the fp32 softcapped copy
+    runner.budget_bytes = tile * bytes_per_request(CL, V, itemsize)
+    pair.add(0, top_k=5, logprobs=2, extra_args={"diffusion_max_steps": 3})
+    pair.add(1, top_p=0.7, logprob_token_ids=[4, 9], extra_args={"diffusion_canvas_length": 5})
+    pair.add(2, extra_args={"diffusion_max_steps": 4})
+    pair.add(3, logprobs=1, extra_args={"diffusion_read_only": True, "diffusion_max_steps": 2})
+    pair.add(4)
+    pair.step([Prefill(s, 4) for s in range(5)], torch.zeros(0, HID))
+    entries = [Decode(0, CL), Decode(1, 5), Decode(2, 6), Decode(3, CL), Decode(4, 7)]
+    targets = {e.slot: torch.randint(0, V, (e.valid_len,), generator=gen) for e in entries}
+    projection = pair.ours.projection
+    emitted = 0
+    for j in range(5):
+        hidden = torch.cat([
+            (3.0 * weight[targets[e.slot]].float() if j else 0.0)
+            + torch.randn(e.valid_len, HID, generator=gen) for e in entries])
+        projection.calls.clear()
+        out, _ = pair.step(entries, hidden)
+        emitted += out.logprobs_tensors is not None
+        n = len(entries)
+        assert runner.last_tile_requests == min(tile, n)
+        valid = [e.valid_len for e in entries]
+        assert projection.calls == [sum(valid[t:t + tile]) for t in range(0, n, tile)]
+        if 3 in [e.slot for e in entries] and int(out.num_sampled[3]) > 0:
+            entries = [e for e in entries if e.slot != 3]  # a read-only request ends
+            pair.remove(3)
+    assert emitted >= 2
+
+
+@needs_034
+def test_hidden_states_shared_allowed_set():
+    """A shared constrained set under 0.34: ``compute_logits`` projects onto the set's K rows
+    of the head; both samplers read and report over the set alike."""
+    torch.manual_seed(15)
+    weight = lm_head(15)
+    pair = projected_pair(weight)
+    allowed = [30, 2, 17, 61, 8]
+    for s in (0, 1):
+        pair.add(s, logprob_token_ids=allowed, extra_args={"diffusion_constrained": True})
+    pair.step([Prefill(0, 4), Prefill(1, 4)], torch.zeros(0, HID))
+    entries = [Decode(1, CL), Decode(0, 7)]
+    gen = torch.Generator().manual_seed(15)
+    target = torch.tensor(allowed)[torch.randint(0, 5, (CL + 7,), generator=gen)]
+    emitted = 0
+    for j in range(4):
+        assert pair.allowed(entries).tolist() == allowed
+        hidden = (4.0 * weight[target].float() if j else 0.0) \
+            + torch.randn(CL + 7, HID, generator=gen)
+        out, _ = pair.step(entries, hidden)
+        emitted += out.logprobs_tensors is not None
+    assert emitted == 1
+
+
+@needs_034
+def test_profile_run_goes_through_our_path():
+    """0.34's ``profile_run`` (one dummy full-canvas request, then slot 0 reset): on ours it
+    projects one request's canvas through the runner, and leaves the states as vLLM's does."""
+    weight = lm_head(16)
+    pair = projected_pair(weight)
+    for h in (pair.ref, pair.ours):
+        h.sampler.profile_run(torch.randn(3, HID))
+    assert pair.ours.projection.calls == [CL]
+    assert pair.ours.sampler.runner.last_tile_requests == 1
+    for name in ("is_encoder_phase", "step", "accepted_canvas_history_len", "max_steps"):
+        assert torch.equal(getattr(pair.ours.states, name), getattr(pair.ref.states, name)), name
+    assert bool(pair.ours.states.is_encoder_phase[0])
+    assert not pair.ours.states.self_conditioning_embeds.any()

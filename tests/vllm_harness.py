@@ -1,4 +1,4 @@
-"""Drive vLLM 0.33's own DiffusionGemma sampler on the CPU, without a model or an engine.
+"""Drive vLLM's own DiffusionGemma sampler (0.33 or 0.34) on the CPU, without a model or an engine.
 
 vLLM's ``DiffusionSampler`` (``vllm.model_executor.models.diffusion_gemma``) is the behaviour our
 sampler must reproduce. It is normally built by ``DiffusionGemmaModelState.custom_sampler`` inside
@@ -29,6 +29,13 @@ On a machine without CUDA a few things are swapped before/after import (``instal
   ``install_cpu_stubs(compiled=True)`` is called: Inductor on the CPU then works and gives the
   same trajectories, but builds for minutes on 2 cores.
 
+The two releases differ in what the sampler is called with (``RELEASE``): 0.33 takes the
+logits, 0.34 the hidden states and projects them itself through the ``compute_logits`` callable
+of its constructor. For 0.34 the harness builds a ``compute_logits`` (``make_compute_logits``)
+and turns a step's logits into hidden states it projects back exactly
+(``IdentityProjection``), so one test drives both releases with the same logits; a test may
+give a real projection instead (``make_vllm_sampler(compute_logits=...)``).
+
 The decode step then runs vLLM's CPU branch, ``sample_row_stats_reference`` (torch global RNG),
 instead of its Triton row-stats kernel. Everything else is vLLM's own code. With CUDA no stub
 is installed and everything runs on the GPU (untested: vLLM 0.33 wants torch 2.14).
@@ -45,7 +52,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -81,6 +88,7 @@ def _prepare_environment() -> None:
 
 _prepare_environment()
 
+import vllm  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 from vllm.model_executor.models import diffusion_gemma as dg  # noqa: E402
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch  # noqa: E402
@@ -100,6 +108,12 @@ if DiffusionSampler.__module__ != dg.__name__:
         "imported (import vllm_harness first, or set DGEMMA_SAMPLER_DISABLE=1)"
     )
 DiffusionGemmaRequestStates = dg.DiffusionGemmaRequestStates
+
+# The installed release's sampler contract: "0.33" (logits in) or "0.34" (hidden states in).
+RELEASE = ".".join(vllm.__version__.split(".")[:2])
+if RELEASE not in ("0.33", "0.34"):
+    raise RuntimeError(f"vllm_harness drives vLLM 0.33 and 0.34, not {vllm.__version__}")
+HIDDEN_INPUT = RELEASE == "0.34"
 
 # The free memory the fake get_memory_info reports; the sampler tiles by half of it.
 _FREE_MEMORY = [64 << 30]
@@ -156,6 +170,7 @@ class VllmDiffusionHarness:
     canvas_length: int
     vocab_size: int
     device: torch.device
+    projection: Any = None  # 0.34: the compute_logits the sampler was built with
     prompt_lens: dict[int, int] = field(default_factory=dict)
 
     @property
@@ -224,11 +239,18 @@ class VllmDiffusionHarness:
 
     def step(self, logits: torch.Tensor, input_batch: InputBatch):
         """One step as the runner makes it: ``begin_step`` (model state) then the sampler call.
-        Note vLLM may mask fp32 ``logits`` in place (top-k/top-p): pass a clone to compare."""
+        Note vLLM may mask fp32 ``logits`` in place (top-k/top-p): pass a clone to compare.
+        0.34 with the default projection: the sampler gets hidden states whose projection
+        is ``logits``; with a projection of the test's own, ``logits`` are the hidden states."""
         allowed = self.begin_step(input_batch)
-        width = self.vocab_size if allowed is None else allowed.numel()
         rows = int(input_batch.cu_num_logits_np[input_batch.num_reqs])
+        if HIDDEN_INPUT and not isinstance(self.projection, IdentityProjection):
+            assert logits.shape[0] == rows, (tuple(logits.shape), rows)
+            return self.sampler(logits.to(self.device), input_batch)
+        width = self.vocab_size if allowed is None else allowed.numel()
         assert logits.shape == (rows, width), (tuple(logits.shape), (rows, width))
+        if HIDDEN_INPUT:
+            return self.sampler(self.projection.hidden_of(logits.to(self.device)), input_batch)
         return self.sampler(logits.to(self.device), input_batch)
 
     def snapshot(self) -> dict[str, torch.Tensor]:
@@ -246,6 +268,55 @@ class VllmDiffusionHarness:
             "max_steps": s.max_steps.clone(),
             "draft_tokens": self.draft_tokens.clone(),
         }
+
+
+class IdentityProjection:
+    """A 0.34 ``compute_logits`` whose "hidden states" are vocabulary-wide logits: it returns
+    them (in their own dtype), or their ``step_allowed`` columns on a shared-set step, as the
+    model's ``compute_logits`` projects onto the allowed rows of the LM head. ``hidden_of``
+    builds the hidden states whose projection is given logits, so the projection is exact
+    and the two releases can be driven with the same logits. Counts calls and rows, so a
+    test can see how the sampler tiles its projection."""
+
+    def __init__(self, states: Any) -> None:
+        self.states = states
+        self.calls: list[int] = []  # rows of each call
+
+    def hidden_of(self, logits: torch.Tensor) -> torch.Tensor:
+        allowed = self.states.step_allowed
+        if allowed is None:
+            return logits
+        hidden = torch.zeros(logits.shape[0], self.states.vocab_size, dtype=logits.dtype,
+                             device=logits.device)
+        hidden[:, allowed] = logits
+        return hidden
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.calls.append(hidden.shape[0])
+        allowed = self.states.step_allowed
+        # A fresh tensor, as a projection returns (vLLM masks what it gets in place).
+        return hidden.clone() if allowed is None else hidden[:, allowed]
+
+
+class LmHeadProjection:
+    """A 0.34 ``compute_logits`` as DiffusionGemma's: hidden states ``[rows, H]`` times the
+    tied LM head in its dtype, then the final softcap in fp32; on a shared-set step only the
+    allowed rows of the head. Counts calls and rows (``calls``)."""
+
+    def __init__(self, states: Any, weight: torch.Tensor, softcap: float | None = 30.0) -> None:
+        self.states = states
+        self.weight = weight
+        self.softcap = softcap
+        self.calls: list[int] = []
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.calls.append(hidden.shape[0])
+        allowed = self.states.step_allowed
+        weight = self.weight if allowed is None else self.weight[allowed]
+        logits = torch.nn.functional.linear(hidden.to(weight.dtype), weight).float()
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
 
 
 def make_runner_sampler(
@@ -292,6 +363,7 @@ def make_vllm_sampler(
     device: torch.device = DEVICE,
     logprobs_mode: str = "raw_logprobs",
     sampler_cls: type | None = None,
+    compute_logits: Callable[[Any], Callable[[torch.Tensor], torch.Tensor]] | None = None,
     **sampler_kwargs: Any,
 ) -> VllmDiffusionHarness:
     """Build vLLM's ``DiffusionSampler`` the way ``custom_sampler`` does.
@@ -299,7 +371,9 @@ def make_vllm_sampler(
     ``stability_threshold`` is vLLM's buffer depth ST (the model state passes the generation
     config's value + 1): a request is stable once its last ST argmax canvases agree.
     ``sampler_cls`` swaps in another sampler with the same constructor (for side-by-side runs);
-    extra keyword arguments go to it (``sc_vocab_start`` and friends)."""
+    extra keyword arguments go to it (``sc_vocab_start`` and friends). For 0.34,
+    ``compute_logits(states)`` returns the projection the sampler is built with (default:
+    ``IdentityProjection``, which ``VllmDiffusionHarness.step`` feeds with logits)."""
     if embed_weight is None:
         g = torch.Generator().manual_seed(7)
         embed_weight = torch.randn(vocab_size, hidden, generator=g).to(torch.bfloat16)
@@ -309,7 +383,8 @@ def make_vllm_sampler(
         normalizer = torch.tensor(normalizer, dtype=embed_weight.dtype)
     embed_weight = embed_weight.to(device)
     normalizer = normalizer.to(device)
-    assert embed_weight.shape == (vocab_size, hidden), (embed_weight.shape, vocab_size, hidden)
+    # [vocab, hidden], or under tensor parallelism a rank's (padded) shard of it.
+    assert embed_weight.dim() == 2 and embed_weight.shape[1] == hidden, (embed_weight.shape, hidden)
 
     states = DiffusionGemmaRequestStates(
         max_num_reqs=max_num_reqs,
@@ -324,6 +399,10 @@ def make_vllm_sampler(
         max_num_reqs, canvas_length, vocab_size, device, logprobs_mode
     )
     cls = sampler_cls or DiffusionSampler
+    projection = None
+    if HIDDEN_INPUT:
+        projection = (compute_logits or IdentityProjection)(states)
+        sampler_kwargs["compute_logits"] = projection
     sampler = cls(
         sampler=runner_sampler,
         diffusion_config=SimpleNamespace(
@@ -346,6 +425,7 @@ def make_vllm_sampler(
         canvas_length=canvas_length,
         vocab_size=vocab_size,
         device=device,
+        projection=projection,
     )
 
 

@@ -1,0 +1,416 @@
+"""The device work of a decode step, shared by every front end.
+
+``DiffusionSampler`` (``sampler.py``) and the vLLM adapters (``vllm/v0_33.py``,
+``vllm/v0_34.py``) keep only their host bookkeeping: which requests decode, where their rows
+are, what each request asked for, and the output layout their caller reads. They hand
+``StepRunner.step`` host arrays (slots, valid lengths, canvas widths) and either the logits or
+hidden states with a projection; the runner does everything that touches the device:
+
+* tiling: all requests in one tile for logits input (the kernels hold O(1) bytes per row);
+  for hidden-state input, requests per tile from a memory budget re-read every step, so that
+  only one tile's projected logits exist at a time;
+* tile plans: the device index tensors, row layout, top-k/top-p gates and allowed masks of a
+  tile, kept while the batch keeps its shape and no request changed (``PLAN_CACHE_SIZE``);
+* the step itself (``step.decode_step``) with the schedule's temperature table, the backend's
+  kernels (the oracle for a constrained read's K columns, a vocabulary-sharded statistics
+  pass under tensor parallelism when the front end provides one), and the logits-free parts
+  replayed from CUDA graphs (``update_graph.py``);
+* the logprob stash: for the requests that converge now, the rows, temperature, threshold,
+  allowed mask and selected tokens their logprobs need, handed to the front end's formatter
+  while the tile's logits still exist.
+
+What a front end knows about its requests comes in through a ``RequestOptions`` object (top-k
+/ top-p tensors, allowed masks, pins, a generation counter that moves when a slot gets a new
+request); vLLM keeps these in its own sampling states, ``DiffusionState`` in its own arrays.
+
+Transient bytes per request (``bytes_per_request``):
+
+* logits input, Triton backend: per canvas position a handful of O(1) statistics
+  (``STAT_BYTES`` = 64 bytes with padding and the row layout); the kernels materialise
+  nothing of size V. 32 requests x 256 positions cost about 0.5 MiB.
+* PyTorch backend: the oracle works on fp32 chunks of rows; per row it holds about
+  ``TORCH_BYTES_PER_ENTRY`` = 48 bytes per vocabulary entry (logits, z, exp, Gumbel bits as
+  int64 intermediates, masks), so its chunk of rows is sized from the budget instead.
+* hidden-state input: the projected logits of a tile, ``W x V x logits_itemsize`` bytes per
+  request, plus the above; tiles are further capped at ``hidden_tile_bytes`` (1 GiB by
+  default): larger tiles buy no speed once a tile fills the GPU.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Container, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from . import envs, reference
+from .config import SamplerConfig
+from .reference import RowStats
+from .state import to_device_int64
+from .step import StepLayout, StepOutput, decode_step, step_layout
+from .update_graph import UpdateGraph
+
+STAT_BYTES = 64
+TORCH_BYTES_PER_ENTRY = 48
+DEFAULT_CPU_BUDGET = 1 << 30
+# Tile plans kept for reuse: a decoding batch keeps its shape for many steps, and a plan
+# (device index tensors, row layout, masks) costs a host->device copy and ~20 small ops.
+PLAN_CACHE_SIZE = 8
+TEMPERATURE_TABLE_MAX = 1 << 20  # entries (4 MiB)
+
+
+def memory_budget(device: torch.device, fraction: float) -> int:
+    """Bytes the step may use for temporaries: a fraction of what the device has free."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * fraction)
+    return DEFAULT_CPU_BUDGET
+
+
+def bytes_per_request(width: int, vocab: int, logits_itemsize: int = 0) -> int:
+    """Transient bytes one request adds to a tile (``logits_itemsize`` > 0: projected logits)."""
+    return width * (STAT_BYTES + vocab * logits_itemsize)
+
+
+def backend_functions(backend: str):
+    """The flat-row (stats, soft embedding, logprobs) functions of a resolved backend."""
+    if backend == "triton":
+        from .kernels.logprobs import token_logprobs_rows
+        from .kernels.row_stats import row_stats_rows
+        from .ops import triton_soft_embedding_rows
+
+        return row_stats_rows, triton_soft_embedding_rows, token_logprobs_rows
+    return reference.row_stats_rows, reference.soft_embedding_rows, reference.token_logprobs_rows
+
+
+class RequestOptions(Protocol):
+    """What the runner asks a front end about the requests of a tile (host slot arrays)."""
+
+    generation: int  # moves whenever a slot gets a new request (invalidates cached plans)
+
+    def top_k_top_p(self, slots: list[int], slots_t: torch.Tensor
+                    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``([n] int64 top-k, [n] fp32 top-p)`` of the tile, None where no request uses it."""
+
+    def allowed_rows(self, slots: list[int], vocab: int) -> torch.Tensor | None:
+        """``[n, vocab]`` bool allowed-token masks (constrained requests), or None."""
+
+    def any_pins(self, slots: list[int]) -> bool:
+        """Whether a request of the tile pins canvas positions."""
+
+
+@dataclass
+class LogprobRows:
+    """What the logprobs of one converging request are computed from (its ``k`` rows)."""
+
+    rows: torch.Tensor  # [k, C] the step's logits (C = V, or K for a shared allowed set)
+    inv_t: torch.Tensor  # [k] fp32: 1 / the temperature of the step that ran (1 if read-only)
+    threshold: torch.Tensor  # [k] fp32: the top-k / top-p cut (-inf: none)
+    allowed: torch.Tensor | None  # [k, C] bool or None
+    selected: torch.Tensor  # [k] int64: the argmax token ids
+    softcap: float | None  # applied to ``rows`` in registers (None: already applied)
+
+
+@dataclass
+class LogprobRequest:
+    """The logprob stash of a step: which requests stash when they converge, how a stash is
+    built from its ``LogprobRows`` (the front end's layout), and where it is kept."""
+
+    slots: Container[int]
+    build: Callable[[int, LogprobRows], Any]
+    stash: dict[int, Any]
+
+
+@dataclass
+class TilePlan:
+    """Host decisions and device index tensors of one tile of decoding requests."""
+
+    slots: list[int]
+    slots_t: torch.Tensor
+    row_starts: torch.Tensor
+    valid: torch.Tensor
+    width: torch.Tensor
+    W: int
+    top_k: torch.Tensor | None
+    top_p: torch.Tensor | None
+    allowed: torch.Tensor | None
+    layout: StepLayout
+    update_graph: UpdateGraph | None = None
+
+
+class StepRunner:
+    """One decode step's device work over a slot-indexed state.
+
+    Parameters
+    ----------
+    cfg : the sampler configuration (temperature schedule, acceptance, convergence).
+    state : the slot-indexed state (``DiffusionState``, or vLLM's request states with the
+        keyed noise's ``seeds`` / ``draws`` beside them).
+    options : the front end's ``RequestOptions``.
+    embed_weight : ``[V_local, H]`` embedding rows of this rank's vocabulary slice.
+    normalizer : the embedding normalizer (scalar tensor or float).
+    backend : a resolved backend, "triton" or "torch".
+    vocab_size : the full vocabulary (random tokens are drawn from it).
+    vocab_start : first vocabulary id of ``embed_weight`` (tensor parallelism).
+    sc_reduce : in-place all-reduce of soft-embedding partial sums across ranks.
+    sharded_stats : a statistics function over this rank's vocabulary slice whose ranks merge
+        their partials (``tensor_parallel.row_stats_rows_sharded``), used for tiles without
+        masks; None: every rank streams the whole row.
+    memory_fraction, budget_bytes, hidden_tile_bytes : the tile budget of hidden-state input.
+    graph_update : replay the logits-free parts of a step from CUDA graphs (needs CUDA).
+    """
+
+    def __init__(
+        self,
+        cfg: SamplerConfig,
+        state: Any,
+        options: RequestOptions,
+        embed_weight: torch.Tensor,
+        normalizer: torch.Tensor | float,
+        *,
+        backend: str,
+        vocab_size: int,
+        vocab_start: int = 0,
+        sc_reduce: Callable[[torch.Tensor], None] | None = None,
+        sharded_stats: Callable[..., RowStats] | None = None,
+        memory_fraction: float = 0.5,
+        budget_bytes: int | None = None,
+        hidden_tile_bytes: int = 1 << 30,
+        graph_update: bool | None = None,
+    ) -> None:
+        if backend not in ("triton", "torch"):
+            raise ValueError(f"backend must be resolved to 'triton' or 'torch', got {backend!r}")
+        if not 0.0 < memory_fraction <= 1.0:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction!r}")
+        device = state.canvas.device
+        if graph_update is None:
+            graph_update = device.type == "cuda" and envs.graph_update()
+        elif graph_update and device.type != "cuda":
+            raise ValueError("graph_update needs a CUDA device")
+        self.cfg = cfg
+        self.state = state
+        self.options = options
+        self.device = device
+        self.embed_weight = embed_weight
+        self.normalizer = normalizer
+        self.backend = backend
+        self.vocab_size = vocab_size
+        self.vocab_start = vocab_start
+        self.sc_reduce = sc_reduce
+        self.sharded_stats = sharded_stats
+        self.memory_fraction = memory_fraction
+        self.budget_bytes = budget_bytes
+        self.hidden_tile_bytes = hidden_tile_bytes
+        self.graph_update = bool(graph_update)
+        self.stats_fn, self.soft_fn, self.logprobs_fn = backend_functions(backend)
+        self.plans: OrderedDict[tuple, TilePlan] = OrderedDict()
+        self.last_tile_requests = 0
+        # The schedule temperature of every step count 0..N, computed once by the config's own
+        # formula on the device (so entries are bit-identical to computing it per step): one
+        # gather per step instead of six elementwise ops.
+        self._temperature_table = None
+        if cfg.max_denoising_steps <= TEMPERATURE_TABLE_MAX:
+            done = torch.arange(cfg.max_denoising_steps + 1, dtype=state.step.dtype, device=device)
+            self._temperature_table = cfg.temperature(done).to(torch.float32)
+
+    # ---------------------------------------------------------------- schedule and budget
+    def temperature_of(self, slots: torch.Tensor, steps_back: int = 0) -> torch.Tensor:
+        """The schedule temperature of ``slots`` at their step counter minus ``steps_back``."""
+        steps = self.state.step[slots]
+        if steps_back:
+            steps = steps - steps_back
+        if self._temperature_table is None:
+            return self.cfg.temperature(steps).to(torch.float32)
+        # max(N - n, 1) is constant past n = N - 1, so the table's last entry covers n >= N.
+        return self._temperature_table[steps.clamp(min=0, max=self.cfg.max_denoising_steps)]
+
+    def tile_requests(self, width: int, vocab: int, logits_itemsize: int) -> int:
+        """Requests per tile: ``budget // bytes_per_request``, the budget re-read now."""
+        budget = self.budget_bytes
+        if budget is None:
+            budget = memory_budget(self.device, self.memory_fraction)
+        if logits_itemsize:
+            budget = min(budget, self.hidden_tile_bytes)
+        return max(1, budget // bytes_per_request(width, vocab, logits_itemsize))
+
+    def _torch_chunk_rows(self, vocab: int) -> int:
+        budget = self.budget_bytes or memory_budget(self.device, self.memory_fraction)
+        return int(max(1, min(4096, budget // (vocab * TORCH_BYTES_PER_ENTRY))))
+
+    # ---------------------------------------------------------------- the step
+    def step(
+        self,
+        slots: Sequence[int],
+        valid: np.ndarray,
+        widths: np.ndarray,
+        *,
+        vocab: int,
+        logits: torch.Tensor | None = None,
+        hidden_states: torch.Tensor | None = None,
+        project: Callable[[torch.Tensor, np.ndarray], torch.Tensor] | None = None,
+        logits_itemsize: int = 0,
+        softcap: float | None = None,
+        column_tokens: torch.Tensor | None = None,
+        logprobs: LogprobRequest | None = None,
+    ) -> StepOutput:
+        """One decode step for the requests in ``slots`` (host ints; ``valid`` / ``widths``
+        int64 arrays of their valid lengths and canvas widths; request j's rows follow
+        request j-1's).
+
+        Give ``logits`` ``[sum(valid), vocab]``, or ``hidden_states`` ``[sum(valid), H]`` with
+        ``project(hidden_rows, valid_lengths) -> logits`` and the bytes per projected logit
+        the projection holds (``logits_itemsize``, for the tile budget): logits then exist
+        one tile at a time. ``softcap`` is applied in the kernels (None: the logits are
+        already capped). ``column_tokens`` names the token of each column when the logits
+        cover one allowed set only. Returns the step's output for all requests, in order.
+        """
+        n = len(slots)
+        W = int(widths.max())
+        starts = np.concatenate(([0], np.cumsum(valid)[:-1])).astype(np.int64)
+        hidden_input = hidden_states is not None
+        if hidden_input:
+            tile = self.tile_requests(W, vocab, logits_itemsize)
+        else:
+            # Logits input: the kernels need O(1) bytes per row, and the oracle bounds its
+            # memory per chunk of rows (``_torch_chunk_rows``): one tile.
+            tile = n
+        self.last_tile_requests = min(tile, n)
+        stats_fn = self.stats_fn
+        if self.backend == "torch":
+            chunk = self._torch_chunk_rows(vocab)
+            stats_fn = lambda *a, **k: reference.row_stats_rows(*a, chunk_rows=chunk, **k)  # noqa: E731
+        if column_tokens is not None:
+            # Constrained reads hold only K << V columns: the oracle is cheap there and keys
+            # the noise by token id through ``column_tokens``.
+            stats_fn = reference.row_stats_rows
+
+        outputs: list[StepOutput] = []
+        for t0 in range(0, n, tile):
+            t1 = min(t0 + tile, n)
+            r0, r1 = int(starts[t0]), int(starts[t1 - 1] + valid[t1 - 1])
+            plan = self.plan(slots[t0:t1], starts[t0:t1] - r0, valid[t0:t1], widths[t0:t1],
+                             vocab, column_tokens, W=W)
+            if hidden_input:
+                tile_logits = project(hidden_states[r0:r1], valid[t0:t1])
+            else:
+                tile_logits = logits[r0:r1]
+            out = self.run_tile(plan, tile_logits, stats_fn=stats_fn, softcap=softcap,
+                                column_tokens=column_tokens)
+            if logprobs is not None:
+                self._stash_logprobs(out, plan, tile_logits, starts[t0:t1] - r0, valid[t0:t1],
+                                     softcap, logprobs)
+            outputs.append(out)
+        return _concat(outputs)
+
+    def plan(self, tile_slots: Sequence[int], starts: np.ndarray, valid: np.ndarray,
+             widths: np.ndarray, vocab: int, column_tokens: torch.Tensor | None = None, *,
+             W: int | None = None, cache: bool = True) -> TilePlan:
+        """The device side of a tile's host decisions; reused while the batch keeps its
+        shape and no request was added or removed (``options.generation``). ``W``: the
+        width of the step's outputs (default: the tile's widest canvas); every tile of a
+        step shares the step's, so that their outputs concatenate."""
+        tile_slots = [int(s) for s in tile_slots]
+        if W is None:
+            W = int(widths.max())
+        key = (self.options.generation, tuple(tile_slots), starts.tobytes(), valid.tobytes(),
+               widths.tobytes(), W, vocab, column_tokens is None)
+        plan = self.plans.get(key) if cache else None
+        if plan is not None:
+            self.plans.move_to_end(key)
+            return plan
+        # One pinned host buffer, one copy that does not wait for the GPU.
+        slots_t, row_starts, valid_t, width_t = to_device_int64(
+            self.device, tile_slots, starts, valid, widths)
+        top_k, top_p = self.options.top_k_top_p(tile_slots, slots_t)
+        layout = step_layout(
+            self.state, slots_t, row_starts, valid_t, width_t, W, int(valid.sum()),
+            full_width=bool((widths == W).all()),
+            any_pins=self.options.any_pins(tile_slots))
+        plan = TilePlan(
+            slots=tile_slots, slots_t=slots_t, row_starts=row_starts, valid=valid_t,
+            width=width_t, W=W, top_k=top_k, top_p=top_p,
+            allowed=None if column_tokens is not None else self.options.allowed_rows(tile_slots, vocab),
+            layout=layout,
+            # Only a cached plan is seen again; constrained reads bring new columns every step.
+            update_graph=UpdateGraph() if cache and self.graph_update and column_tokens is None else None,
+        )
+        if cache and plan.allowed is None:  # ([n, V] masks are not worth holding on to)
+            self.plans[key] = plan
+            while len(self.plans) > PLAN_CACHE_SIZE:
+                self.plans.popitem(last=False)
+        return plan
+
+    def run_tile(self, plan: TilePlan, tile_logits: torch.Tensor, *,
+                 stats_fn: Callable[..., RowStats] | None = None, softcap: float | None = None,
+                 column_tokens: torch.Tensor | None = None) -> StepOutput:
+        """``decode_step`` over one planned tile (no host work, no host synchronisation)."""
+        if stats_fn is None:
+            stats_fn = self.stats_fn
+        if (self.sharded_stats is not None and column_tokens is None and plan.allowed is None
+                and plan.top_k is None and plan.top_p is None):
+            # Every rank holds the gathered logits: each streams only its own vocabulary
+            # slice and the ranks merge per-row partials.
+            stats_fn = self.sharded_stats
+        return decode_step(
+            self.state, tile_logits, plan.slots_t, plan.row_starts, plan.valid, plan.width, plan.W,
+            confidence_threshold=self.cfg.confidence_threshold,
+            entropy_bound=self.cfg.entropy_bound,
+            temperature_of=self.temperature_of,
+            stats_fn=stats_fn, soft_fn=self.soft_fn,
+            # The soft embedding's one call site (``decode_step``'s step 7) takes these.
+            embed_weight=self._embed_for(column_tokens), normalizer=self.normalizer,
+            vocab_size=self.vocab_size, softcap=softcap,
+            top_k=plan.top_k, top_p=plan.top_p, allowed=plan.allowed,
+            column_tokens=column_tokens,
+            vocab_start=self.vocab_start if column_tokens is None else 0,
+            sc_reduce=self.sc_reduce,
+            layout=plan.layout, noise_backend=self.backend,
+            update_runner=plan.update_graph,
+        )
+
+    def _embed_for(self, column_tokens: torch.Tensor | None) -> torch.Tensor:
+        if column_tokens is None:
+            return self.embed_weight
+        # A constrained step's logits cover only the allowed ids: their K embedding rows.
+        return self.embed_weight[column_tokens - self.vocab_start].contiguous()
+
+    def _stash_logprobs(self, out: StepOutput, plan: TilePlan, tile_logits: torch.Tensor,
+                        starts: np.ndarray, valid: np.ndarray, softcap: float | None,
+                        request: LogprobRequest) -> None:
+        """Stash the logprobs of this tile's requests that converged now (vLLM's rule: they
+        are emitted with the commit that follows)."""
+        want = [s in request.slots for s in plan.slots]
+        if not any(want):
+            return
+        converged = out.just_converged.cpu().tolist()  # the one host sync, as in vLLM
+        read_only = self.state.read_only_slots
+        for j, s in enumerate(plan.slots):
+            if not (want[j] and converged[j]):
+                continue
+            k = int(valid[j])
+            rows = tile_logits[int(starts[j]): int(starts[j]) + k]
+            if s in read_only:  # vLLM reports read-only requests at temperature 1
+                t = torch.ones((), device=rows.device)
+            else:  # the temperature of the step that just ran (its counter moved on)
+                t = self.temperature_of(plan.slots_t[j:j + 1], steps_back=1)[0]
+            # Materialised: the Triton logprobs kernel reads one value per row (no stride).
+            inv_t = reference.inverse_temperature(t).expand(k).contiguous()
+            allowed = None if plan.allowed is None else plan.allowed[j].unsqueeze(0).expand(k, -1)
+            request.stash[s] = request.build(s, LogprobRows(
+                rows=rows, inv_t=inv_t, threshold=out.stats.threshold[j, :k], allowed=allowed,
+                selected=out.stats.argmax[j, :k], softcap=softcap))
+
+
+def _concat(outputs: list[StepOutput]) -> StepOutput:
+    if len(outputs) == 1:
+        return outputs[0]
+    stats = RowStats(*(torch.cat(parts) for parts in zip(*(o.stats.as_tuple() for o in outputs))))
+    return StepOutput(
+        sampled=torch.cat([o.sampled for o in outputs]),
+        num_sampled=torch.cat([o.num_sampled for o in outputs]),
+        just_converged=torch.cat([o.just_converged for o in outputs]),
+        stats=stats,
+    )
