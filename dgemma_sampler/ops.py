@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from . import reference
+from . import reference, support
 from .reference import RowStats
 
 BACKENDS = ("auto", "triton", "torch")
@@ -170,6 +170,9 @@ def soft_embedding(
     allowed: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     backend: str = "auto",
+    tail_eps: float = 0.0,
+    argmax: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``normalizer * softmax(z) @ E`` per position, probabilities never stored.
 
@@ -179,6 +182,12 @@ def soft_embedding(
     all-reduces); ``threshold`` ``[R, W]`` is ``row_stats(...).threshold`` when top-k /
     top-p were used. Rows with ``keep`` False come out zero. Returns ``[R, W, H]`` fp32,
     written into ``out`` when given.
+
+    ``tail_eps`` > 0: rows whose probability mass sits, up to ``tail_eps``, on at most
+    ``support.MAX_SUPPORT`` tokens are computed over those tokens only (``support.py``), with
+    error ``<= tail_eps * normalizer * max_v |E[v]|_inf`` per component; 0 is the dense
+    result. ``argmax`` / ``entropy`` ``[R, W]`` from ``row_stats`` (same temperature and
+    masks) let rows skip the support pass (optional).
     """
     _check_logits(logits)
     r, w, vocab = logits.shape
@@ -202,6 +211,12 @@ def soft_embedding(
         check_tensor("allowed", allowed, dim=2, dtypes=(torch.bool,), device=dev, shape=(r, vocab))
     if isinstance(normalizer, torch.Tensor) and normalizer.numel() != 1:
         raise ValueError(f"normalizer must be a scalar, got shape {tuple(normalizer.shape)}")
+    if not (isinstance(tail_eps, (int, float)) and (tail_eps == 0 or 2.0**-30 <= tail_eps <= 2.0**-4)):
+        raise ValueError(f"tail_eps must be 0 or a float in [2^-30, 2^-4], got {tail_eps!r}")
+    if argmax is not None:
+        check_tensor("argmax", argmax, dtypes=(torch.int64,), device=dev, shape=(r, w))
+    if entropy is not None:
+        check_tensor("entropy", entropy, dtypes=(torch.float32,), device=dev, shape=(r, w))
     if out is not None:
         check_tensor("out", out, dtypes=(torch.float32,), device=dev, shape=(r, w, hidden))
         if out.stride(2) != 1 or out.stride(0) != w * out.stride(1):
@@ -213,6 +228,13 @@ def soft_embedding(
         threshold=None if threshold is None else threshold.reshape(-1),
         allowed=allowed, vocab_start=vocab_start, softcap=softcap, out=out_flat,
     )
+    if tail_eps > 0:
+        fns = support.backend_functions(resolve_backend(backend, dev))
+        res, _ = support.soft_embedding_tail(
+            *fns, flat, request, temperature, lse.reshape(-1), embed_weight, normalizer,
+            tail_eps=tail_eps, argmax=None if argmax is None else argmax.reshape(-1),
+            entropy=None if entropy is None else entropy.reshape(-1), **kwargs)
+        return res.view(r, w, hidden)
     if resolve_backend(backend, dev) == "triton":
         from .kernels.soft_embedding import soft_embedding_rows as run
     else:
