@@ -353,7 +353,7 @@ class DiffusionSampler:
             vocab_start=self.vocab_start if column_tokens is None else 0,
             sc_reduce=self.sc_reduce,
             layout=plan.layout, noise_backend=self.backend,
-            update_runner=plan.update_graph,
+            update_runner=plan.update_graph, tail_eps=self.cfg.tail_eps,
         )
 
     def _project(self, hidden: torch.Tensor, weight: torch.Tensor, lengths) -> torch.Tensor:

@@ -56,6 +56,9 @@ MAX_SUPPORT = 64
 NUM_BINS = 256  # 255 bins of a quarter octave, then one for masked entries (weight 0)
 BINS_PER_OCTAVE = 4
 FIXED_BITS = 56  # tail bounds in units of 2^-56: sum_j count_j w_j stays below 2^63
+# The smallest tolerance: below it the cut could reach the last bins, which lump every token
+# under 2^-63.5 (and the budget in 2^-56 units gets coarse).
+MIN_TAIL_EPS = 2.0**-30
 
 PATH_NOT_KEPT, PATH_TOP1, PATH_SUPPORT, PATH_ENTROPY_DENSE, PATH_SUPPORT_DENSE = range(5)
 NUM_PATHS = 5
@@ -142,7 +145,9 @@ class Support:
 
     def path_rows(self) -> torch.Tensor:
         """``[NUM_PATHS]`` int64 row counts per path, on the device (no sync)."""
-        return torch.bincount(self.path.to(torch.int64), minlength=NUM_PATHS)
+        # (torch.bincount would ask the device for the largest value: a host sync)
+        rows = torch.zeros(NUM_PATHS, dtype=torch.int64, device=self.path.device)
+        return rows.index_add_(0, self.path.to(torch.int64), torch.ones_like(self.path, dtype=torch.int64))
 
 
 def lse_margin(lse: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
@@ -304,6 +309,8 @@ def soft_embedding_tail(
     """
     n_rows, vocab = logits.shape
     v_local = embed_weight.shape[0]
+    if not tail_eps >= MIN_TAIL_EPS:
+        raise ValueError(f"tail_eps must be >= 2^-30 here (0 means the dense path), got {tail_eps!r}")
     h_skip = math.inf
     if entropy is not None:
         h_skip = entropy_skip_f32(tail_eps, entropy_support or max_support, entropy_vocab or vocab)
@@ -323,6 +330,14 @@ def soft_embedding_tail(
               support.path, support.count, support.ids,
               vocab_start=vocab_start, softcap=softcap, out=out, out_index=out_index)
     return out, support
+
+
+def functions_for(dense_fn):
+    """(support, dense, gather) of the backend whose dense soft embedding is ``dense_fn``."""
+    if dense_fn is reference.soft_embedding_rows:
+        return support_rows, dense_fn, gather_rows
+    find, _, gather = backend_functions("triton")
+    return find, dense_fn, gather
 
 
 def backend_functions(backend: str):

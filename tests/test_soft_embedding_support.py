@@ -379,3 +379,71 @@ def test_gpu_production_vocabulary(dtype):
         want = exact_soft(x[i:i + 1, j:j + 1], t[i:i + 1], e, 5.0)
         err = (got[i, j].double().cpu() - want.reshape(-1)).abs().max()
         assert float(err) <= (EPS + 2.0**-16) * scale
+
+
+# -- the decode step ------------------------------------------------------------------------------
+
+def _sampler(backend, device, n, canvas, vocab, hidden, embed, **cfg_kw):
+    cfg = ds.SamplerConfig(canvas_length=canvas, max_denoising_steps=1000, confidence_threshold=0.0,
+                           **cfg_kw)
+    state = ds.DiffusionState(n + 1, cfg, vocab, hidden, device)
+    for j in range(n):
+        state.add_request(j + 1, seed=100 + j)
+    sampler = ds.DiffusionSampler(cfg, state, embed, 3.0, backend=backend)
+    sampler.prefill(list(range(1, n + 1)))
+    return sampler
+
+
+def test_step_reports_paths_and_keeps_the_bound():
+    """Both backends: the step's soft embedding is within the bound of the dense one (eps = 0),
+    and ``sc_path_rows`` counts every row of the step once."""
+    n, canvas, vocab, hidden = 2, 8, 600, 24
+    embed = (torch.randn(vocab, hidden) * 0.1).to(torch.bfloat16)
+    x = peaked_logits(n, canvas, vocab, device="cpu", seed=21).reshape(n * canvas, vocab)
+    backends = ["torch"] + (["triton"] if INTERPRET else [])
+    for backend in backends:
+        tail = _sampler(backend, "cpu", n, canvas, vocab, hidden, embed)
+        dense = _sampler("torch", "cpu", n, canvas, vocab, hidden, embed, tail_eps=0.0)
+        out = tail.step(x, [1, 2])
+        ref = dense.step(x, [1, 2])
+        assert ref.sc_path_rows is None
+        rows = out.sc_path_rows
+        assert rows.shape == (sp.NUM_PATHS,) and int(rows.sum()) == n * canvas
+        assert int(rows[sp.PATH_TOP1] + rows[sp.PATH_SUPPORT]) > 0
+        a = tail.state.self_conditioning_embeds
+        b = dense.state.self_conditioning_embeds
+        scale = 3.0 * float(embed.float().abs().max())
+        tol = (EPS + 2.0**-8) if backend == "triton" else (EPS + 2.0**-16)
+        assert float((a - b).abs().max()) <= tol * scale
+        assert torch.equal(out.sampled, ref.sampled)
+
+
+@pytest.mark.gpu
+def test_gpu_step_with_support_is_graph_captured():
+    device, n, canvas, vocab, hidden = "cuda", 3, 64, 32768, 256
+    embed = (torch.randn(vocab, hidden, device=device) * 0.05).to(torch.bfloat16)
+    eager = _sampler("triton", device, n, canvas, vocab, hidden, embed)
+    graphed = _sampler("triton", device, n, canvas, vocab, hidden, embed)
+    slots = list(range(1, n + 1))
+    logits = torch.empty(n * canvas, vocab, device=device)
+    source = [peaked_logits(n, canvas, vocab, device=device, seed=s).reshape(n * canvas, vocab)
+              for s in range(5)]
+    run = graphed.graphable(slots)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        logits.copy_(source[0])
+        run(logits)
+        eager.step(logits, slots)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run(logits)
+    for s in range(1, 5):
+        logits.copy_(source[s])
+        graph.replay()
+        ref = eager.step(logits, slots)
+        torch.cuda.synchronize()
+        assert torch.equal(captured.sc_path_rows, ref.sc_path_rows)
+        assert int(ref.sc_path_rows[sp.PATH_TOP1] + ref.sc_path_rows[sp.PATH_SUPPORT]) > 0
+        assert torch.equal(graphed.state.self_conditioning_embeds, eager.state.self_conditioning_embeds)

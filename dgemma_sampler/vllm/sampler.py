@@ -162,7 +162,7 @@ class FusedDiffusionSampler(_dg.DiffusionSampler):
             stats_fn=stats_fn, soft_fn=self.soft_fn, embed_weight=embed, normalizer=self.normalizer,
             vocab_size=self.vocab_size, top_k=top_k, top_p=top_p, allowed=allowed,
             column_tokens=column_tokens, vocab_start=vocab_start,
-            sc_reduce=self._all_reduce if self.tp_size > 1 else None,
+            sc_reduce=self._all_reduce if self.tp_size > 1 else None, tail_eps=self.cfg.tail_eps,
         )
         sampled[decode_idx, :W] = out.sampled.to(sampled.dtype)
         num_sampled[decode_idx] = out.num_sampled.to(num_sampled.dtype)
