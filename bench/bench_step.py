@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import baselines  # noqa: E402
+import workloads  # noqa: E402
 
 import dgemma_sampler as ds  # noqa: E402
 
@@ -126,6 +127,8 @@ def main(argv=None) -> int:
     p.add_argument("--hidden", type=int, default=2816 if cuda else 96)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--backend", default="auto", choices=["auto", "triton", "torch"])
+    p.add_argument("--workload", default="broad", choices=workloads.FAMILIES,
+                   help="logits family (bench/workloads.py; broad = Gaussian rows)")
     p.add_argument("--reps", type=int, default=10 if cuda else 3)
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     p.add_argument("--no-check", action="store_true", help="skip the agreement check")
@@ -153,7 +156,11 @@ def main(argv=None) -> int:
     for n in bar:
         bar.set_postfix(requests=n)
         rows = n * args.canvas
-        logits = (torch.randn(rows, args.vocab, device=device, generator=gen) * 3).to(dtype)
+        if args.workload == "broad":
+            logits = (torch.randn(rows, args.vocab, device=device, generator=gen) * 3).to(dtype)
+        else:
+            logits, _ = workloads.make_logits(args.workload, n, args.canvas, args.vocab, 0.8, gen,
+                                              device, dtype)
         temps = torch.full((rows,), 0.8, device=device)
         row = {"requests": n, "rows": rows}
         sampler = make_sampler(n, args.canvas, args.vocab, args.hidden, embed, backend, device)
@@ -189,7 +196,7 @@ def main(argv=None) -> int:
         "command": "python bench/bench_step.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "device": name, "date": datetime.date.today().isoformat(), "backend": backend,
         "torch": torch.__version__, "canvas": args.canvas, "vocab": args.vocab,
-        "hidden": args.hidden, "logits_dtype": args.dtype,
+        "hidden": args.hidden, "logits_dtype": args.dtype, "workload": args.workload,
     }
     try:
         import triton

@@ -245,12 +245,13 @@ def support_rows(
             rows_count = torch.where(kept, rows_count, -1)
         path[r0:r1] = rows_path.to(torch.int8)
         count[r0:r1] = rows_count.to(torch.int32)
-        for i in range(r1 - r0):
-            if int(rows_path[i]) == PATH_SUPPORT:
-                sel = local[in_s[i]]
-                ids[r0 + i, :sel.numel()] = sel
-            elif int(rows_path[i]) == PATH_TOP1 and bool(top1[i]):
-                ids[r0 + i, 0] = int(a_loc[i])
+        # S's columns in vocabulary order: the position of each member is its rank in the row
+        write = in_s & (rows_path == PATH_SUPPORT).unsqueeze(1)
+        rr, cc = write.nonzero(as_tuple=True)
+        ids[r0 + rr, in_s.cumsum(1)[rr, cc] - 1] = local[cc]
+        if argmax is not None:
+            first = torch.nonzero(top1 & (rows_path == PATH_TOP1)).flatten()
+            ids[r0 + first, 0] = a_loc[first].to(torch.int32)
     return Support(path, count, ids)
 
 
@@ -275,19 +276,20 @@ def gather_rows(
     ``out`` are left alone. ``p_v = 2^((z_v - lse) log2 e)`` as the kernel computes it."""
     inv_t = reference.inverse_temperature(temperature)
     norm = torch.as_tensor(normalizer, device=logits.device).to(torch.float32)
-    sparse = Support(path, count, ids).sparse()
-    for n in torch.nonzero(sparse).flatten().tolist():
-        c = int(count[n])
-        s = ids[n, :c].to(torch.int64)
-        x = reference.softcapped(logits[n, vocab_start + s], softcap)
-        inv = inv_t[int(row_request[n])]
-        z = torch.clamp(x * inv, max=reference.FLT_MAX)
-        p = torch.exp2((z - lse[n]) * LOG2E)
-        acc = torch.zeros(embed_weight.shape[1], dtype=torch.float32, device=logits.device)
-        for i in range(c):
-            acc = acc + p[i] * embed_weight[s[i]].to(torch.float32)
-        row = n if out_index is None else int(out_index[n])
-        out[row] = acc * norm
+    rows = torch.nonzero(Support(path, count, ids).sparse()).flatten()
+    if rows.numel() == 0:
+        return out
+    member = torch.arange(ids.shape[1], device=ids.device) < count[rows].unsqueeze(1)
+    cols = torch.where(member, ids[rows], 0).to(torch.int64)
+    x = reference.softcapped(logits[rows.unsqueeze(1), vocab_start + cols], softcap)
+    inv = inv_t[row_request[rows].to(torch.int64)].unsqueeze(1)
+    z = torch.clamp(x * inv, max=reference.FLT_MAX)
+    p = torch.where(member, torch.exp2((z - lse[rows].unsqueeze(1)) * LOG2E), 0.0)
+    acc = torch.zeros(rows.numel(), embed_weight.shape[1], dtype=torch.float32, device=logits.device)
+    for i in range(ids.shape[1]):  # vocabulary order, one member at a time
+        acc += p[:, i:i + 1] * embed_weight[cols[:, i]].to(torch.float32)
+    target = rows if out_index is None else out_index[rows]
+    out[target] = acc * norm
     return out
 
 
