@@ -6,7 +6,9 @@ For each number of requests and each workload family (``workloads.py``) it repor
   the support pass run on every row;
 * the fraction of rows per path of the step (``StepOutput.sc_path_rows``);
 * the soft embedding alone: cuBLAS dense (bf16 probabilities @ E, probabilities given), our
-  dense GEMM (``tail_eps = 0``), ours with the tail tolerance (support + dense rows + gather);
+  dense GEMM (``tail_eps = 0``), ours with the tail tolerance (support + dense rows + gather),
+  and both again with the dense rows on the Triton kernel (``*_compact``), which compacts the
+  kept rows where the Hopper (Gluon) kernel only masks them;
 * the whole step with the tail tolerance against the dense-only step, and the floor (one
   logits read + the cuBLAS GEMM) of ``bench_step.measure_floor``;
 * with 1 request, the all-peaked step replayed from a CUDA graph.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import platform
@@ -97,14 +100,28 @@ def bench_family(family, n, args, embed, backend, device, cuda, gen, floor):
     row["se_tail_ms"] = device_timer(
         lambda: ds.soft_embedding(x, temp, st.lse, embed, norm, out=buf, tail_eps=args.eps,
                                   argmax=st.argmax, entropy=st.entropy), 2, args.reps, cuda)
+    if cuda:
+        # The same with the dense rows on the Triton kernel, which compacts kept rows (the Gluon
+        # kernel masks them: an M-tile with one dense row runs its whole K loop).
+        from dgemma_sampler.kernels.soft_embedding import soft_embedding_rows
+        find, _, gather = sp.backend_functions("triton")
+        compact = functools.partial(soft_embedding_rows, wgmma=False)
+        flat = logits
+        req = torch.arange(n, device=device).repeat_interleave(args.canvas)
+        flat_buf = buf.view(rows, args.hidden)
+        row["se_tail_compact_ms"] = device_timer(
+            lambda: sp.soft_embedding_tail(find, compact, gather, flat, req, temp, st.lse.reshape(-1),
+                                           embed, norm, tail_eps=args.eps, out=flat_buf,
+                                           argmax=st.argmax.reshape(-1),
+                                           entropy=st.entropy.reshape(-1)), 2, args.reps, cuda)
+        row["se_dense_compact_ms"] = device_timer(
+            lambda: compact(flat, req, temp, st.lse.reshape(-1), embed, norm, out=flat_buf),
+            2, args.reps, cuda)
     if floor:
         row["cublas_ms"] = floor["gemm_ms"]
         row["floor_ms"] = floor["floor_ms"]
         row["step_tail_over_floor"] = row["step_tail_ms"] / floor["floor_ms"]
     row["step_tail_over_dense"] = row["step_tail_ms"] / row["step_dense_ms"]
-    del logits, tail, dense, x, st, buf
-    if cuda:
-        torch.cuda.empty_cache()
     return row
 
 
@@ -164,6 +181,8 @@ def main(argv=None) -> int:
             del x
         for family in families:
             row = bench_family(family, n, args, embed, backend, device, cuda, gen, floor)
+            if cuda:
+                torch.cuda.empty_cache()  # the family's logits and samplers are gone
             results.append(row)
             print(json.dumps(row), flush=True)
     graph = bench_graph(args, embed, backend, device, gen) if cuda else None
@@ -178,14 +197,17 @@ def main(argv=None) -> int:
         json.dump({"meta": meta, "results": results, "graph": graph}, f, indent=2)
     print(f"\n{name}: eps {args.eps:g}, K {sp.MAX_SUPPORT}, T {args.temperature}")
     print(f"{'req':>4} {'family':>10} {'sparse%':>8} {'se cuBLAS':>9} {'se dense':>9} {'se tail':>8} "
-          f"{'step dense':>10} {'step tail':>9} {'tail/dense':>10} {'tail/floor':>10}")
+          f"{'step dense':>10} {'step tail':>9} {'tail/dense':>10} {'tail/floor':>10} "
+          f"{'se dense cmp':>12} {'se tail cmp':>11}")
     for r in results:
         pf = r["path_fraction"]
         sparse = 100 * (pf["top1"] + pf["support"])
         print(f"{r['requests']:>4} {r['family']:>10} {sparse:>7.1f}% {r.get('cublas_ms', float('nan')):>9.2f} "
               f"{r['se_dense_ms']:>9.2f} {r['se_tail_ms']:>8.2f} {r['step_dense_ms']:>10.2f} "
               f"{r['step_tail_ms']:>9.2f} {r['step_tail_over_dense']:>10.2f} "
-              f"{r.get('step_tail_over_floor', float('nan')):>10.2f}")
+              f"{r.get('step_tail_over_floor', float('nan')):>10.2f} "
+              f"{r.get('se_dense_compact_ms', float('nan')):>12.2f} "
+              f"{r.get('se_tail_compact_ms', float('nan')):>11.2f}")
         if "support_size" in r:
             print("      |S|: " + ", ".join(f"{k} {v['median']:.0f}/{v['p90']:.0f}"
                                             for k, v in r["support_size"].items()) + " (median/p90)")

@@ -74,14 +74,14 @@ def make_logits(family: str, requests: int, canvas: int, vocab: int, temperature
         raise ValueError(f"unknown workload {family!r}; one of {FAMILIES}")
     cpu = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen, device=gen.device)))
     if family.startswith("mix"):
-        count = int(round(float(frac[0]) * rows))
+        count = round(float(frac[0]) * rows)
         peaked = torch.zeros(rows, dtype=torch.bool)
         peaked[torch.randperm(rows, generator=cpu)[:count]] = True
     else:
         # within each request, the first frac * canvas positions (in a random order) are peaked
         peaked = torch.zeros(rows, dtype=torch.bool)
         for i in range(requests):
-            count = int(round(float(frac[i * canvas]) * canvas))
+            count = round(float(frac[i * canvas]) * canvas)
             pos = torch.randperm(canvas, generator=cpu)[:count]
             peaked[i * canvas + pos] = True
     ks = torch.zeros(rows, dtype=torch.int64)

@@ -94,7 +94,7 @@ def weights_on(device: torch.device) -> torch.Tensor:
 
 def tail_budget(tail_eps: float) -> int:
     """``eps`` in 2^-56 units, rounded down (exact: eps times a power of two)."""
-    return int(math.floor(tail_eps * 2.0**FIXED_BITS))
+    return math.floor(tail_eps * 2.0**FIXED_BITS)
 
 
 def entropy_skip(tail_eps: float, max_support: int, vocab_size: int) -> float:
@@ -309,7 +309,7 @@ def soft_embedding_tail(
     vocabulary and ``max_support``; a vocabulary slice passes the whole vocabulary and
     ``world * max_support``). Returns (out, support).
     """
-    n_rows, vocab = logits.shape
+    vocab = logits.shape[1]
     v_local = embed_weight.shape[0]
     if not tail_eps >= MIN_TAIL_EPS:
         raise ValueError(f"tail_eps must be >= 2^-30 here (0 means the dense path), got {tail_eps!r}")

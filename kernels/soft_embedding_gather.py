@@ -83,7 +83,7 @@ def gather_rows(
     """Triton twin of ``dgemma_sampler.support.gather_rows``: writes the sparse rows of ``out``
     (``[M, H]`` fp32; row n goes to ``out[out_index[n]]`` when given) and leaves the others."""
     n_rows = logits.shape[0]
-    v_local, hidden = embed_weight.shape
+    hidden = embed_weight.shape[1]
     assert logits.dim() == 2 and logits.stride(1) == 1, "logits must be [N, V], contiguous in V"
     assert embed_weight.is_contiguous(), "embed_weight must be contiguous"
     assert path.shape == (n_rows,) and path.dtype == torch.int8, "path must be [N] int8"

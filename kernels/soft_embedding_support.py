@@ -49,7 +49,7 @@ def _bins(logits_ptr, allowed_ptr, threshold, row, request, cols, v_local, vocab
     x = tl.load(logits_ptr + row * stride_logits + vocab_start + cols, mask=in_slice,
                 other=float("-inf")).to(tl.float32)
     x = softcapped(x, SOFTCAP)
-    masked = (x != x) | (x == float("-inf")) | ~in_slice
+    masked = (x != x) | (x == float("-inf")) | ~in_slice  # noqa: PLR0124 (NaN)
     if HAS_THRESHOLD:
         masked = masked | (x < threshold)
     if HAS_ALLOWED:
