@@ -11,14 +11,14 @@ For each number of requests and each workload family (``workloads.py``) it repor
   kept rows where the Hopper (Gluon) kernel only masks them;
 * the whole step with the tail tolerance against the dense-only step, and the floor (one
   logits read + the cuBLAS GEMM) of ``bench_step.measure_floor``;
-* with 1 request, the all-peaked step replayed from a CUDA graph.
+* with 1 request, the all-peaked step (k 3..6) replayed from a CUDA graph.
 
 Targets (H200, CL 256, V 262144, H 2816, fp32 logits): 32 requests all peaked, step <= 5 ms;
 half peaked, step <= 0.6 x the dense floor; broad only, step <= 1.03 x the dense-only step;
 1 request all peaked, graph-replayed step <= 0.5 ms.
 
     python bench_sparse.py            # ~2-3 minutes on an H100/H200
-    python bench_sparse.py --quick    # 32 requests: broad, mix50, peaked, trajectory; + graph
+    python bench_sparse.py --quick    # 32 requests, 6 families, 5 reps; + the graph replay
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def bench_family(family, n, args, embed, backend, device, cuda, gen, floor):
     logits, ks = workloads.make_logits(family, n, args.canvas, args.vocab, t, gen, device)
     row = {"family": family, "requests": n, "rows": rows,
            "peaked_fraction": float((ks > 0).float().mean())}
-    if family in ("peaked", "broad") or args.sizes_all:
+    if family in ("peaked", "broad", "peaked36") or args.sizes_all:
         row["support_size"] = support_sizes(logits, ks, t, args.eps)
     slots = list(range(n))
     tail = make_sampler(n, args.canvas, args.vocab, args.hidden, embed, args.eps, backend, device)
@@ -127,7 +127,7 @@ def bench_family(family, n, args, embed, backend, device, cuda, gen, floor):
 
 def bench_graph(args, embed, backend, device, gen):
     """1 request, every row peaked: the step captured in a CUDA graph, replay time."""
-    logits, _ = workloads.make_logits("peaked", 1, args.canvas, args.vocab, args.temperature, gen, device)
+    logits, _ = workloads.make_logits("peaked36", 1, args.canvas, args.vocab, args.temperature, gen, device)
     res = {}
     for name, eps in (("tail", args.eps), ("dense", 0.0)):
         sampler = make_sampler(1, args.canvas, args.vocab, args.hidden, embed, eps, backend, device)
@@ -166,7 +166,8 @@ def main(argv=None) -> int:
     default_requests = ("32" if args.quick else "1,32") if cuda else "2"
     requests = [int(r) for r in (args.requests or default_requests).split(",")]
     families = (args.families.split(",") if args.families else
-                ["broad", "mix50", "peaked", "trajectory"] if args.quick else list(workloads.FAMILIES))
+                ["broad", "mix50", "mix50c", "peaked", "peaked36", "trajectory"] if args.quick
+                else list(workloads.FAMILIES))
     if args.quick:
         args.reps = min(args.reps, 5)
     backend = ds.ops.resolve_backend("auto", device)

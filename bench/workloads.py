@@ -11,6 +11,11 @@ The model cannot run here, so the shape of its distributions is a knob:
 * mixes: a fraction of the rows peaked (k cycling 1..6 over them), the others broad, rows in a
   fixed random order; ``trajectory``: request i of n has a fraction i / (n - 1) of its positions
   peaked, as for requests at different points of their denoising (broad early, peaked late).
+* ``peaked36``: every row peaked with k in 3..6 only (k = 1, 2 leave 10% / 1% of the mass in a
+  heavy tail: no support of 64 tokens holds all but 2^-10 of it, so those rows stay dense);
+  ``mix50c``: half the rows peaked, clustered (the first half of each request's positions), so
+  that 128-row tiles are all sparse or all dense (the Hopper dense kernel skips only whole
+  tiles; ``mix50`` is the interleaved worst case).
 
 Logits are returned at temperature 1 (``z * T``): the sampler divides by T again.
 """
@@ -22,7 +27,7 @@ import math
 import torch
 
 ZIPF = 1.1
-FAMILIES = ("broad", "peaked", "mix25", "mix50", "mix75", "trajectory")
+FAMILIES = ("broad", "peaked", "mix25", "mix50", "mix75", "trajectory", "peaked36", "mix50c")
 
 
 def broad_rows(rows: int, vocab: int, gen: torch.Generator, device) -> torch.Tensor:
@@ -63,8 +68,10 @@ def make_logits(family: str, requests: int, canvas: int, vocab: int, temperature
     rows = requests * canvas
     if family == "broad":
         frac = torch.zeros(rows)
-    elif family == "peaked":
+    elif family in ("peaked", "peaked36"):
         frac = torch.ones(rows)
+    elif family == "mix50c":
+        frac = torch.full((rows,), 0.5)
     elif family.startswith("mix"):
         frac = torch.full((rows,), int(family[3:]) / 100.0)
     elif family == "trajectory":
@@ -73,7 +80,9 @@ def make_logits(family: str, requests: int, canvas: int, vocab: int, temperature
     else:
         raise ValueError(f"unknown workload {family!r}; one of {FAMILIES}")
     cpu = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen, device=gen.device)))
-    if family.startswith("mix"):
+    if family == "mix50c":
+        peaked = (torch.arange(rows) % canvas) < canvas // 2
+    elif family.startswith("mix"):
         count = round(float(frac[0]) * rows)
         peaked = torch.zeros(rows, dtype=torch.bool)
         peaked[torch.randperm(rows, generator=cpu)[:count]] = True
@@ -86,7 +95,8 @@ def make_logits(family: str, requests: int, canvas: int, vocab: int, temperature
             peaked[i * canvas + pos] = True
     ks = torch.zeros(rows, dtype=torch.int64)
     idx = torch.nonzero(peaked).flatten()
-    ks[idx] = torch.arange(idx.numel()) % 6 + 1
+    low = 3 if family == "peaked36" else 1
+    ks[idx] = torch.arange(idx.numel()) % (7 - low) + low
     logits = broad_rows(rows, vocab, gen, device)
     if idx.numel():
         logits[idx.to(device)] = peaked_rows(ks[idx], vocab, temperature, gen, device)
