@@ -278,6 +278,19 @@ def test_vocabulary_slices_keep_the_global_bound():
     assert float(err) <= (EPS + 2.0**-16) * 2.0 * float(e.abs().max())
 
 
+def test_sharded_soft_embedding_takes_the_tolerance():
+    """Without a process group (world 1) the sharded call is the single-GPU one."""
+    from dgemma_sampler import tensor_parallel as tp
+
+    x = peaked_logits(1, 6, 256, device="cpu", seed=9)
+    t = torch.tensor([0.5])
+    st = stats_of(x, t)
+    e = torch.randn(256, 12)
+    a = tp.soft_embedding_sharded(x, t, st.lse, e, 2.0, backend="torch", tail_eps=EPS)
+    b = ds.soft_embedding(x, t, st.lse, e, 2.0, backend="torch", tail_eps=EPS)
+    assert torch.equal(a, b)
+
+
 # -- kernels against the oracle ---------------------------------------------------------------
 
 @needs_triton
