@@ -7,8 +7,10 @@ For each number of requests and each workload family (``workloads.py``) it repor
 * the fraction of rows per path of the step (``StepOutput.sc_path_rows``);
 * the soft embedding alone: cuBLAS dense (bf16 probabilities @ E, probabilities given), our
   dense GEMM (``tail_eps = 0``), ours with the tail tolerance (support + dense rows + gather),
-  and both again with the dense rows on the Triton kernel (``*_compact``), which compacts the
-  kept rows where the Hopper (Gluon) kernel only masks them;
+  (dense rows split by tiles: mostly-dense 128-row tiles on the Hopper kernel, the rest
+  compacted on the Triton kernel, ``support.dense_by_tiles``), and the tail path with all dense
+  rows on the Hopper kernel (``*_masked``: it masks dropped rows) or all on the Triton kernel
+  (``*_compact``: it compacts them);
 * the whole step with the tail tolerance against the dense-only step, and the floor (one
   logits read + the cuBLAS GEMM) of ``bench_step.measure_floor``;
 * with 1 request, the all-peaked step (k 3..6) replayed from a CUDA graph.
@@ -101,13 +103,20 @@ def bench_family(family, n, args, embed, backend, device, cuda, gen, floor):
         lambda: ds.soft_embedding(x, temp, st.lse, embed, norm, out=buf, tail_eps=args.eps,
                                   argmax=st.argmax, entropy=st.entropy), 2, args.reps, cuda)
     if cuda:
-        # The same with the dense rows on the Triton kernel, which compacts kept rows (the Gluon
-        # kernel masks them: an M-tile with one dense row runs its whole K loop).
+        # The tail path with every dense row on the Hopper kernel (it masks dropped rows: a
+        # 128-row tile with one dense row runs its whole K loop), then every dense row on the
+        # Triton kernel (it compacts them), and the Triton kernel's dense result.
         from dgemma_sampler.kernels.soft_embedding import soft_embedding_rows
         find, _, gather = sp.backend_functions("triton")
         compact = functools.partial(soft_embedding_rows, wgmma=False)
         flat = logits
         req = torch.arange(n, device=device).repeat_interleave(args.canvas)
+        row["se_tail_masked_ms"] = device_timer(
+            lambda: sp.soft_embedding_tail(find, soft_embedding_rows, gather, flat, req, temp,
+                                           st.lse.reshape(-1), embed, norm, tail_eps=args.eps,
+                                           out=buf.view(rows, args.hidden),
+                                           argmax=st.argmax.reshape(-1),
+                                           entropy=st.entropy.reshape(-1)), 2, args.reps, cuda)
         flat_buf = buf.view(rows, args.hidden)
         row["se_tail_compact_ms"] = device_timer(
             lambda: sp.soft_embedding_tail(find, compact, gather, flat, req, temp, st.lse.reshape(-1),
@@ -199,7 +208,7 @@ def main(argv=None) -> int:
     print(f"\n{name}: eps {args.eps:g}, K {sp.MAX_SUPPORT}, T {args.temperature}")
     print(f"{'req':>4} {'family':>10} {'sparse%':>8} {'se cuBLAS':>9} {'se dense':>9} {'se tail':>8} "
           f"{'step dense':>10} {'step tail':>9} {'tail/dense':>10} {'tail/floor':>10} "
-          f"{'se dense cmp':>12} {'se tail cmp':>11}")
+          f"{'se dense cmp':>12} {'se tail cmp':>11} {'se tail msk':>11}")
     for r in results:
         pf = r["path_fraction"]
         sparse = 100 * (pf["top1"] + pf["support"])
@@ -208,7 +217,8 @@ def main(argv=None) -> int:
               f"{r['step_tail_ms']:>9.2f} {r['step_tail_over_dense']:>10.2f} "
               f"{r.get('step_tail_over_floor', float('nan')):>10.2f} "
               f"{r.get('se_dense_compact_ms', float('nan')):>12.2f} "
-              f"{r.get('se_tail_compact_ms', float('nan')):>11.2f}")
+              f"{r.get('se_tail_compact_ms', float('nan')):>11.2f} "
+              f"{r.get('se_tail_masked_ms', float('nan')):>11.2f}")
         if "support_size" in r:
             print("      |S|: " + ", ".join(f"{k} {v['median']:.0f}/{v['p90']:.0f}"
                                             for k, v in r["support_size"].items()) + " (median/p90)")

@@ -43,12 +43,13 @@ are sparse with an empty S, i.e. zero, as on the dense path.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import torch
 
-from . import reference
+from . import envs, reference
 
 # K: the largest support the gather takes. A gather of K rows of E per row costs about K / 64
 # of the dense GEMM's time per row at H = 2816 (issue #31's H100 figures); tune on the GPU.
@@ -334,12 +335,57 @@ def soft_embedding_tail(
     return out, support
 
 
+# Dense rows on Hopper. The Gluon kernel masks dropped rows, so a 128-row tile with one dense
+# row runs its whole K loop; the Triton kernel compacts the kept rows but runs a tile ~1.25x
+# slower. A tile with at least this fraction of its rows dense goes to the Gluon kernel, the
+# other dense rows to the Triton kernel (tune on the GPU: bench_sparse.py, mix families).
+WHOLE_TILE_FRACTION = 0.75
+
+
+def hopper_tile_rows(logits, embed_weight, vocab_start, allowed, softcap) -> int | None:
+    """Rows per tile of the Hopper (Gluon) soft embedding where it runs this call, else None."""
+    if logits.device.type != "cuda" or not envs.soft_embedding_wgmma():
+        return None
+    from .kernels.soft_embedding import _wgmma_module
+    module = _wgmma_module()
+    if module is None or not module.supported(logits, embed_weight, vocab_start, allowed, softcap):
+        return None
+    return module.BLOCK_M
+
+
+def dense_by_tiles(dense_fn, logits, row_request, temperature, lse, embed_weight, normalizer, *,
+                   keep, out=None, out_index=None, vocab_start=0, allowed=None, softcap=None,
+                   tile_rows: int | None = None, **kwargs):
+    """``dense_fn`` (the Triton backend's ``soft_embedding_rows``) over the rows ``keep`` marks,
+    split by tiles of ``tile_rows`` rows (default: the Hopper kernel's, None where it does not
+    run, and then one plain call): the mostly-dense tiles on the Hopper kernel, the scattered
+    dense rows compacted on the Triton kernel into a buffer added to ``out`` (its rows are
+    zero there). No host sync; one extra ``[N, H]`` fp32 buffer."""
+    common = dict(vocab_start=vocab_start, allowed=allowed, softcap=softcap, **kwargs)
+    args = (logits, row_request, temperature, lse, embed_weight, normalizer)
+    if tile_rows is None:
+        tile_rows = hopper_tile_rows(logits, embed_weight, vocab_start, allowed, softcap)
+    if tile_rows is None:
+        return dense_fn(*args, keep=keep, out=out, out_index=out_index, **common)
+    n = logits.shape[0]
+    per_tile = torch.nn.functional.pad(keep, (0, -n % tile_rows)).view(-1, tile_rows).sum(1)
+    whole_tile = per_tile >= math.ceil(WHOLE_TILE_FRACTION * tile_rows)
+    whole = whole_tile.unsqueeze(1).expand(-1, tile_rows).reshape(-1)[:n]
+    out = dense_fn(*args, keep=keep & whole, out=out, out_index=out_index, **common)
+    part = dense_fn(*args, keep=keep & ~whole, wgmma=False, **common)
+    if out_index is None:
+        out += part
+    else:
+        out.index_add_(0, out_index, part)  # distinct rows: one add per element, deterministic
+    return out
+
+
 def functions_for(dense_fn):
     """(support, dense, gather) of the backend whose dense soft embedding is ``dense_fn``."""
     if dense_fn is reference.soft_embedding_rows:
         return support_rows, dense_fn, gather_rows
     find, _, gather = backend_functions("triton")
-    return find, dense_fn, gather
+    return find, functools.partial(dense_by_tiles, dense_fn), gather
 
 
 def backend_functions(backend: str):
@@ -348,5 +394,5 @@ def backend_functions(backend: str):
         from .kernels.soft_embedding import soft_embedding_rows
         from .kernels.soft_embedding_gather import gather_rows as gather
         from .kernels.soft_embedding_support import support_rows as find
-        return find, soft_embedding_rows, gather
+        return find, functools.partial(dense_by_tiles, soft_embedding_rows), gather
     return support_rows, reference.soft_embedding_rows, gather_rows
