@@ -441,9 +441,11 @@ def _concat(outputs: list[StepOutput]) -> StepOutput:
     from .reference import RowStats
 
     stats = RowStats(*(torch.cat(parts) for parts in zip(*(o.stats.as_tuple() for o in outputs))))
+    paths = [o.sc_path_rows for o in outputs if o.sc_path_rows is not None]
     return StepOutput(
         sampled=torch.cat([o.sampled for o in outputs]),
         num_sampled=torch.cat([o.num_sampled for o in outputs]),
         just_converged=torch.cat([o.just_converged for o in outputs]),
         stats=stats,
+        sc_path_rows=torch.stack(paths).sum(0) if paths else None,
     )

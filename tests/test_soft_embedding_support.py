@@ -422,13 +422,13 @@ def test_gpu_production_vocabulary(dtype):
 
 # -- the decode step ------------------------------------------------------------------------------
 
-def _sampler(backend, device, n, canvas, vocab, hidden, embed, **cfg_kw):
+def _sampler(backend, device, n, canvas, vocab, hidden, embed, budget_bytes=None, **cfg_kw):
     cfg = ds.SamplerConfig(canvas_length=canvas, max_denoising_steps=1000, confidence_threshold=0.0,
                            **cfg_kw)
     state = ds.DiffusionState(n + 1, cfg, vocab, hidden, device)
     for j in range(n):
         state.add_request(j + 1, seed=100 + j)
-    sampler = ds.DiffusionSampler(cfg, state, embed, 3.0, backend=backend)
+    sampler = ds.DiffusionSampler(cfg, state, embed, 3.0, backend=backend, budget_bytes=budget_bytes)
     sampler.prefill(list(range(1, n + 1)))
     return sampler
 
@@ -440,6 +440,7 @@ def test_step_reports_paths_and_keeps_the_bound():
     embed = (torch.randn(vocab, hidden) * 0.1).to(torch.bfloat16)
     x = peaked_logits(n, canvas, vocab, device="cpu", seed=21).reshape(n * canvas, vocab)
     backends = ["torch"] + (["triton"] if INTERPRET else [])
+    ref_rows = None
     for backend in backends:
         tail = _sampler(backend, "cpu", n, canvas, vocab, hidden, embed)
         dense = _sampler("torch", "cpu", n, canvas, vocab, hidden, embed, tail_eps=0.0)
@@ -447,6 +448,7 @@ def test_step_reports_paths_and_keeps_the_bound():
         ref = dense.step(x, [1, 2])
         assert ref.sc_path_rows is None
         rows = out.sc_path_rows
+        ref_rows = rows if ref_rows is None else ref_rows
         assert rows.shape == (sp.NUM_PATHS,) and int(rows.sum()) == n * canvas
         assert int(rows[sp.PATH_TOP1] + rows[sp.PATH_SUPPORT]) > 0
         a = tail.state.self_conditioning_embeds
@@ -455,6 +457,11 @@ def test_step_reports_paths_and_keeps_the_bound():
         tol = (EPS + 2.0**-8) if backend == "triton" else (EPS + 2.0**-16)
         assert float((a - b).abs().max()) <= tol * scale
         assert torch.equal(out.sampled, ref.sampled)
+    # hidden-state input, one request per tile (logits = x @ I): the tiles' counts add up
+    tiled = _sampler("torch", "cpu", n, canvas, vocab, hidden, embed, budget_bytes=1)
+    out = tiled.step(None, [1, 2], hidden_states=x, output_weight=torch.eye(vocab))
+    assert tiled.last_tile_requests == 1
+    assert torch.equal(out.sc_path_rows, ref_rows)
 
 
 @pytest.mark.gpu
