@@ -42,7 +42,7 @@ from bench_step import device_timer, measure_floor  # noqa: E402
 import dgemma_sampler as ds  # noqa: E402
 from dgemma_sampler import support as sp  # noqa: E402
 
-PATH_NAMES = ("not_kept", "top1", "support", "entropy_dense", "support_dense")
+PATH_NAMES = ("not_kept", "top1", "support", "stats_dense", "support_dense")
 
 
 def make_sampler(n, canvas, vocab, hidden, embed, tail_eps, backend, device):

@@ -16,8 +16,10 @@ host synchronisation:
 1. Free (needs ``argmax``): ``p_top = exp(z_argmax - lse)``; if ``1 - p_top <= eps`` then
    S = {argmax}. Not for greedy rows (T = 0), whose fp32 ``lse`` cannot tell k tied maxima
    from one: they go to tier 3, which finds the ties.
-2. Free filter (needs ``entropy``): a row whose entropy exceeds ``entropy_skip(eps, K, V)``
-   cannot have such a support (Fano-style bound, see ``entropy_skip``): dense, no pass.
+2. Free filters: a row whose entropy exceeds ``entropy_skip(eps, K, V)`` (needs ``entropy``;
+   Fano-style bound, see ``entropy_skip``) or whose top probability is below ``(1 - eps) / K``
+   (needs ``argmax``: K tokens holding ``1 - eps`` hold one of at least that) cannot have such
+   a support: dense, no pass.
 3. Support pass: every kept entry goes to a bin ``j = floor(-4 log2 p_v)`` (4 bins per octave,
    ``NUM_BINS - 1`` of them, the last one lumping everything below ``2^-63.5``); a token in
    bin j has ``p_v <= 2^(-j/4)``. The tail bound of a cut c is ``sum_{j >= c} count_j 2^(-j/4)``,
@@ -37,7 +39,7 @@ to each, so the excluded mass of the sum stays ``<= eps``. Tier 1 needs the argm
 so it applies only on the slice that holds it (the others find an empty or small S in tier 3).
 
 Path codes per row (``PATH_*``): not kept, sparse by tier 1, sparse by the pass, dense by the
-entropy filter, dense by the support size. Rows whose ``lse`` is not finite (nothing kept)
+tier-2 filters, dense by the support size. Rows whose ``lse`` is not finite (nothing kept)
 are sparse with an empty S, i.e. zero, as on the dense path.
 """
 
@@ -61,10 +63,10 @@ FIXED_BITS = 56  # tail bounds in units of 2^-56: sum_j count_j w_j stays below 
 # under 2^-63.5 (and the budget in 2^-56 units gets coarse).
 MIN_TAIL_EPS = 2.0**-30
 
-PATH_NOT_KEPT, PATH_TOP1, PATH_SUPPORT, PATH_ENTROPY_DENSE, PATH_SUPPORT_DENSE = range(5)
+PATH_NOT_KEPT, PATH_TOP1, PATH_SUPPORT, PATH_STATS_DENSE, PATH_SUPPORT_DENSE = range(5)
 NUM_PATHS = 5
 SPARSE_PATHS = (PATH_TOP1, PATH_SUPPORT)
-DENSE_PATHS = (PATH_ENTROPY_DENSE, PATH_SUPPORT_DENSE)
+DENSE_PATHS = (PATH_STATS_DENSE, PATH_SUPPORT_DENSE)
 LOG2E = 1.4426950408889634
 
 
@@ -142,7 +144,7 @@ class Support:
         return (self.path == PATH_TOP1) | (self.path == PATH_SUPPORT)
 
     def dense(self) -> torch.Tensor:
-        return (self.path == PATH_ENTROPY_DENSE) | (self.path == PATH_SUPPORT_DENSE)
+        return (self.path == PATH_STATS_DENSE) | (self.path == PATH_SUPPORT_DENSE)
 
     def path_rows(self) -> torch.Tensor:
         """``[NUM_PATHS]`` int64 row counts per path, on the device (no sync)."""
@@ -223,11 +225,10 @@ def support_rows(
         rows_path = torch.where(size <= k, PATH_SUPPORT, PATH_SUPPORT_DENSE)
         rows_count = size.to(torch.int32)
         # tier 2
+        filt = torch.zeros_like(finite)
         if entropy is not None:
             filt = entropy[r0:r1] > torch.tensor(entropy_bound, dtype=torch.float32)
-            rows_path = torch.where(filt, PATH_ENTROPY_DENSE, rows_path)
-            rows_count = torch.where(filt, -1, rows_count)
-        # tier 1
+        # tier 1 (and the top-probability filter of tier 2)
         top1 = torch.zeros_like(finite)
         if argmax is not None:
             a = argmax[r0:r1].to(torch.int64)
@@ -236,6 +237,11 @@ def support_rows(
             z_a = z.gather(1, a_loc.unsqueeze(1)).squeeze(1) if v_local else torch.zeros_like(row_lse)
             tail1 = 1.0 - torch.exp2((z_a - (row_lse + d)) * LOG2E) + 2.0**-20
             top1 = here & ~greedy & finite & (tail1 <= tail_eps)
+            p_hi = torch.exp2((z_a - (row_lse - d)) * LOG2E)
+            filt |= here & finite & (p_hi < torch.tensor((1.0 - tail_eps) / k, dtype=torch.float32))
+        rows_path = torch.where(filt, PATH_STATS_DENSE, rows_path)
+        rows_count = torch.where(filt, -1, rows_count)
+        if argmax is not None:
             rows_path = torch.where(top1, PATH_TOP1, rows_path)
             rows_count = torch.where(top1, 1, rows_count)
         rows_path = torch.where(finite, rows_path, PATH_TOP1)

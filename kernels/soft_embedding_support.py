@@ -7,7 +7,8 @@ scaled as every row kernel does (``logit_row``), ``p_v = exp(z_v - lse)``, and a
 
 1. tier 1 (one gathered logit): non-greedy row whose argmax lies in the slice and
    ``1 - 2^((z_argmax - lse - d) log2 e) + 2^-20 <= eps``: S = {argmax};
-2. tier 2 (no read): ``entropy > entropy_bound``: dense;
+2. tier 2 (no read): ``entropy > entropy_bound``, or (argmax in the slice)
+   ``2^((z_argmax - lse + d) log2 e) < (1 - eps) / K``: dense;
 3. otherwise one pass bins every kept entry by ``j = floor(-4 log2 p)`` against ``lse - d``
    (``tl.histogram``, 255 quarter-octave bins plus one for masked entries), sums the tail bounds
    ``count_j * w_j`` (``w_j >= 2^(56 - j/4)``, int64, exact) from the top bin down, and cuts at
@@ -34,7 +35,7 @@ from .logit_row import LOG2E, interpreting, scaled, softcapped
 NOT_KEPT = tl.constexpr(0)
 TOP1 = tl.constexpr(1)
 SUPPORT = tl.constexpr(2)
-ENTROPY_DENSE = tl.constexpr(3)
+STATS_DENSE = tl.constexpr(3)
 SUPPORT_DENSE = tl.constexpr(4)
 
 
@@ -67,7 +68,7 @@ def support_kernel(
     logits_ptr, row_request_ptr, temperature_ptr, inv_t_ptr, lse_ptr, threshold_ptr, allowed_ptr,
     keep_ptr, argmax_ptr, entropy_ptr, weights_ptr, path_ptr, count_ptr, ids_ptr,
     v_local, vocab_start, stride_logits, stride_allowed,
-    tail_eps, budget, entropy_bound,
+    tail_eps, budget, entropy_bound, min_top,
     HAS_KEEP: tl.constexpr, HAS_THRESHOLD: tl.constexpr, HAS_ALLOWED: tl.constexpr,
     HAS_ARGMAX: tl.constexpr, HAS_ENTROPY: tl.constexpr, SOFTCAP: tl.constexpr,
     K: tl.constexpr, NUM_BINS: tl.constexpr, BLOCK_V: tl.constexpr,
@@ -87,6 +88,7 @@ def support_kernel(
         threshold = tl.load(threshold_ptr + row)
 
     top1 = ~kept  # a false scalar where kept
+    small_top = top1 & ~top1
     a_loc = tl.zeros((), tl.int64)
     if HAS_ARGMAX:
         a = tl.load(argmax_ptr + row).to(tl.int64)
@@ -97,10 +99,12 @@ def support_kernel(
         z_a = scaled(softcapped(x_a, SOFTCAP), inv_t)
         tail1 = 1.0 - tl.exp2((z_a - (lse + d)) * LOG2E) + 0.00000095367431640625  # + 2^-20
         top1 = here & ~greedy & finite & (tail1 <= tail_eps)
+        p_hi = tl.exp2((z_a - (lse - d)) * LOG2E)
+        small_top = here & finite & (p_hi < min_top)
     top1 = top1 & kept
-    filtered = top1 & ~top1
+    filtered = small_top
     if HAS_ENTROPY:
-        filtered = tl.load(entropy_ptr + row) > entropy_bound
+        filtered = filtered | (tl.load(entropy_ptr + row) > entropy_bound)
 
     path = tl.full((), 2, tl.int32)  # SUPPORT
     count = tl.full((), -1, tl.int32)
@@ -207,7 +211,7 @@ def support_rows(
         placeholder if entropy is None else entropy,
         bin_weights, path, count, ids,
         v_local, vocab_start, logits.stride(0), 0 if allowed is None else allowed.stride(0),
-        float(tail_eps), int(budget), float(entropy_bound),
+        float(tail_eps), int(budget), float(entropy_bound), (1.0 - tail_eps) / k,
         HAS_KEEP=keep is not None, HAS_THRESHOLD=threshold is not None,
         HAS_ALLOWED=allowed is not None, HAS_ARGMAX=argmax is not None,
         HAS_ENTROPY=entropy is not None, SOFTCAP=0.0 if softcap is None else float(softcap),

@@ -110,6 +110,7 @@ def test_bin_weights_round_up_exactly():
 @pytest.mark.parametrize("softcap", [None, 30.0])
 def test_oracle_support_mass_against_float64(softcap):
     x = peaked_logits(2, 16, 700, device="cpu")
+    x[:, 0] *= 0.02  # flat rows: top probability below (1 - eps) / K
     t = torch.tensor([0.6, 0.4])
     st = stats_of(x, t, softcap=softcap)
     flat = x.reshape(-1, 700)
@@ -130,9 +131,13 @@ def test_oracle_support_mass_against_float64(softcap):
         order = p[n].sort(descending=True)
         need = int((order.values.cumsum(0) < 1 - EPS / 2**0.25).sum()) + 1
         assert c <= need
-    # the dense rows really need more than K tokens
+    # the dense rows really need more than K tokens (the filtered ones for the whole eps)
     for n in torch.nonzero(s.path == sp.PATH_SUPPORT_DENSE).flatten().tolist():
         assert float(p[n].sort(descending=True).values[:sp.MAX_SUPPORT].sum()) < 1 - EPS / 2**0.25
+    filtered = torch.nonzero(s.path == sp.PATH_STATS_DENSE).flatten().tolist()
+    assert filtered  # the broad rows, by their top probability
+    for n in filtered:
+        assert float(p[n].sort(descending=True).values[:sp.MAX_SUPPORT].sum()) < 1 - EPS
 
 
 def test_tiers_and_special_rows():
@@ -151,7 +156,7 @@ def test_tiers_and_special_rows():
     s = sp.support_rows(flat, req, t, st.lse.reshape(-1), tail_eps=EPS, keep=keep,
                         argmax=st.argmax.reshape(-1), entropy=st.entropy.reshape(-1),
                         entropy_bound=h)
-    assert s.path[0] == sp.PATH_ENTROPY_DENSE  # broad
+    assert s.path[0] == sp.PATH_STATS_DENSE  # broad
     assert s.path[6] == sp.PATH_TOP1 and s.ids[6, 0] == st.argmax[0, 6]  # 1 - 1e-6 on one token
     assert s.path[2] == sp.PATH_TOP1  # its NaN entry is masked, the row stays peaked
     assert s.path[3] == sp.PATH_TOP1 and s.count[3] == 0
