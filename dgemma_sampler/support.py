@@ -24,9 +24,10 @@ host synchronisation:
    ``NUM_BINS - 1`` of them, the last one lumping everything below ``2^-63.5``); a token in
    bin j has ``p_v <= 2^(-j/4)``. The tail bound of a cut c is ``sum_{j >= c} count_j 2^(-j/4)``,
    summed exactly in 2^-56 fixed point with every weight rounded up; the cut is the smallest c
-   whose bound is ``<= eps`` and S the tokens of the bins below it, in vocabulary order. The
-   bound is within a factor 2^(1/4) of the true tail, so S is the minimal set of a tolerance
-   between ``eps / 1.19`` and ``eps``. ``|S| <= K``: sparse, else dense.
+   whose bound is ``<= eps`` and S the tokens of the bins below it, in vocabulary order. A
+   bin's bound is within a factor 2^(1/4) of its mass, so S is no larger than the minimal set
+   of tolerance ``eps / 2^(1/4)`` up to the tokens of one bin (tested, not a theorem).
+   ``|S| <= K``: sparse, else dense.
 
 fp32 rounding: the bins are computed against ``lse - d`` with ``d = (|lse| + 16) 2^-17``,
 which exceeds the fp32 error of ``lse`` and of the bin arithmetic, so every token's bin bound
@@ -53,8 +54,9 @@ import torch
 
 from . import envs, reference
 
-# K: the largest support the gather takes. A gather of K rows of E per row costs about K / 64
-# of the dense GEMM's time per row at H = 2816 (issue #31's H100 figures); tune on the GPU.
+# K: the largest support the gather takes. Issue #31's H100 figures (plain torch gather + bmm,
+# H = 2816): K = 16 / 64 / 256 rows of E per row cost 0.06 / 0.2 / 0.8 of the dense GEMM per
+# row; a fused gather about half that. Tune on the GPU.
 MAX_SUPPORT = 64
 NUM_BINS = 256  # 255 bins of a quarter octave, then one for masked entries (weight 0)
 BINS_PER_OCTAVE = 4
