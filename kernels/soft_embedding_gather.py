@@ -4,14 +4,16 @@ Math
 ----
 S is a row's support from ``soft_embedding_support`` (at most K columns, vocabulary order) and
 ``p_v = 2^((z_v - lse) log2 e)``, ``z_v`` the softcapped, scaled logit recomputed from the one
-logit at v (S holds no masked entry, so no mask is needed here). Accumulated in fp32, chunk by
-chunk in vocabulary order: the result of a row depends on its own S only, not on the batch or
-on the H tiling. Not renormalised: the mass left out is at most the support pass's budget, and
-the error per component at most that budget times ``normalizer * max_v |E[v]|_inf``.
+logit at v (S holds no masked entry, so no mask is needed here). Accumulated in fp32 one member
+at a time in vocabulary order (a reduction over a [members, H] tile would sum in an order that
+follows the tile's layout, hence its width): the result of a row depends on its own S only, not
+on the batch or on the H tiling. Not renormalised: the mass left out is at most the support
+pass's budget, and the error per component at most that budget times
+``normalizer * max_v |E[v]|_inf``.
 
-Traffic: per sparse row, |S| logits and |S| rows of E (2|S|H bytes in bf16), read once each
-(the H-blocks of one row read disjoint parts of them); E rows are never copied. Dense and
-not-kept rows exit at once and leave ``out`` alone (the dense GEMM writes them).
+Traffic: per sparse row, |S| rows of E (2|S|H bytes in bf16), read once each (the H blocks of
+a row read disjoint parts of them), and |S| logits per H block; E rows are never copied. Dense
+and not-kept rows exit at once and leave ``out`` alone (the dense GEMM writes them).
 Grid: (rows, H blocks).
 """
 
@@ -30,7 +32,7 @@ def gather_kernel(
     norm_ptr, out_ptr, out_index_ptr,
     hidden, vocab_start, stride_logits, stride_embed, stride_out, norm_value,
     HAS_OUT_INDEX: tl.constexpr, NORM_IS_TENSOR: tl.constexpr, SOFTCAP: tl.constexpr,
-    K: tl.constexpr, CHUNK: tl.constexpr, BLOCK_H: tl.constexpr,
+    K: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     path = tl.load(path_ptr + row).to(tl.int32)
@@ -42,17 +44,12 @@ def gather_kernel(
         offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         h_ok = offs_h < hidden
         acc = tl.zeros((BLOCK_H,), tl.float32)
-        for i in range(0, count, CHUNK):
-            j = i + tl.arange(0, CHUNK)
-            in_s = j < count
-            col = tl.load(ids_ptr + row * K + j, mask=in_s, other=0).to(tl.int64)
-            x = tl.load(logits_ptr + row * stride_logits + vocab_start + col, mask=in_s,
-                        other=0.0).to(tl.float32)
-            z = scaled(softcapped(x, SOFTCAP), inv_t)
-            p = tl.where(in_s, tl.exp2((z - lse) * LOG2E), 0.0)
-            e = tl.load(embed_ptr + col[:, None] * stride_embed + offs_h[None, :],
-                        mask=in_s[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
-            acc += tl.sum(p[:, None] * e, axis=0)
+        for i in range(0, count):
+            col = tl.load(ids_ptr + row * K + i).to(tl.int64)
+            x = tl.load(logits_ptr + row * stride_logits + vocab_start + col).to(tl.float32)
+            p = tl.exp2((scaled(softcapped(x, SOFTCAP), inv_t) - lse) * LOG2E)
+            e = tl.load(embed_ptr + col * stride_embed + offs_h, mask=h_ok, other=0.0)
+            acc += p * e.to(tl.float32)
         if NORM_IS_TENSOR:
             norm = tl.load(norm_ptr).to(tl.float32)
         else:
@@ -108,7 +105,7 @@ def gather_rows(
         hidden, vocab_start, logits.stride(0), embed_weight.stride(0), out.stride(0),
         1.0 if norm_is_tensor else float(normalizer),
         HAS_OUT_INDEX=out_index is not None, NORM_IS_TENSOR=norm_is_tensor,
-        SOFTCAP=0.0 if softcap is None else float(softcap), K=ids.shape[1], CHUNK=16,
+        SOFTCAP=0.0 if softcap is None else float(softcap), K=ids.shape[1],
         BLOCK_H=block_h, num_warps=4,
     )
     return out

@@ -356,7 +356,10 @@ def test_gather_kernel_matches_oracle_and_is_batch_independent():
     got = kernel_gather(flat, req, t, st.lse.reshape(-1), e, 3.0, s.path, s.count, s.ids,
                         out=out.clone())
     sparse = s.sparse()
-    torch.testing.assert_close(got[sparse], want[sparse], rtol=1e-6, atol=1e-6)
+    if INTERPRET:  # the same fp32 operations in the same order
+        assert torch.equal(got[sparse], want[sparse])
+    else:  # the kernel fuses p * e + acc into one FMA
+        torch.testing.assert_close(got[sparse], want[sparse], rtol=1e-5, atol=1e-6)
     assert torch.isnan(got[~sparse]).all()  # other rows left alone
     # one row alone, through a slot index and another H tiling: the same bits
     n = int(torch.nonzero(sparse & (s.count > 1)).flatten()[0])
@@ -389,7 +392,9 @@ def test_dense_rows_split_by_tiles_add_up(with_index):
     got = torch.full((size, h), 7.0, device=DEVICE)
     sp.dense_by_tiles(soft_embedding_rows, x, req, t, lse, e, 2.0, keep=keep, out=got,
                       out_index=out_index, tile_rows=8)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # on the GPU the split runs the Hopper and the Triton kernel: other summation orders
+    tol = 1e-5 if INTERPRET else 2e-3
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
 @pytest.mark.gpu
