@@ -211,7 +211,8 @@ def soft_embedding(
         check_tensor("allowed", allowed, dim=2, dtypes=(torch.bool,), device=dev, shape=(r, vocab))
     if isinstance(normalizer, torch.Tensor) and normalizer.numel() != 1:
         raise ValueError(f"normalizer must be a scalar, got shape {tuple(normalizer.shape)}")
-    if not (isinstance(tail_eps, (int, float)) and (tail_eps == 0 or 2.0**-30 <= tail_eps <= 2.0**-4)):
+    if not (isinstance(tail_eps, (int, float))
+            and (tail_eps == 0 or support.MIN_TAIL_EPS <= tail_eps <= 2.0**-4)):
         raise ValueError(f"tail_eps must be 0 or a float in [2^-30, 2^-4], got {tail_eps!r}")
     if argmax is not None:
         check_tensor("argmax", argmax, dtypes=(torch.int64,), device=dev, shape=(r, w))
