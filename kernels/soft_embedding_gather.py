@@ -44,7 +44,7 @@ def gather_kernel(
         offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         h_ok = offs_h < hidden
         acc = tl.zeros((BLOCK_H,), tl.float32)
-        for i in range(0, count):
+        for i in range(count):
             col = tl.load(ids_ptr + row * K + i).to(tl.int64)
             x = tl.load(logits_ptr + row * stride_logits + vocab_start + col).to(tl.float32)
             p = tl.exp2((scaled(softcapped(x, SOFTCAP), inv_t) - lse) * LOG2E)
