@@ -35,6 +35,7 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import baselines  # noqa: E402
 import record  # noqa: E402
+import workloads  # noqa: E402
 
 import dgemma_sampler as ds  # noqa: E402
 
@@ -127,6 +128,8 @@ def main(argv=None) -> int:
     p.add_argument("--hidden", type=int, default=2816 if cuda else 96)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--backend", default="auto", choices=["auto", "triton", "torch"])
+    p.add_argument("--workload", default="broad", choices=workloads.FAMILIES,
+                   help="logits family (bench/workloads.py; broad = Gaussian rows)")
     p.add_argument("--reps", type=int, default=10 if cuda else 3)
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     p.add_argument("--no-check", action="store_true", help="skip the agreement check")
@@ -136,7 +139,7 @@ def main(argv=None) -> int:
                    help="JSON results elsewhere (default: the record, bench/results/step-<card>.json)")
     p.add_argument("--plot", default=None, help="PNG plot (default next to the JSON)")
     args = p.parse_args(argv)
-    with record.Record("step", args.out) as rec:
+    with record.Record("step" if args.workload == "broad" else f"step-{args.workload}", args.out) as rec:
         return run(args, rec)
 
 
@@ -157,7 +160,11 @@ def run(args, rec) -> int:
     for n in bar:
         bar.set_postfix(requests=n)
         rows = n * args.canvas
-        logits = (torch.randn(rows, args.vocab, device=device, generator=gen) * 3).to(dtype)
+        if args.workload == "broad":
+            logits = (torch.randn(rows, args.vocab, device=device, generator=gen) * 3).to(dtype)
+        else:
+            logits, _ = workloads.make_logits(args.workload, n, args.canvas, args.vocab, 0.8, gen,
+                                              device, dtype)
         temps = torch.full((rows,), 0.8, device=device)
         row = {"requests": n, "rows": rows}
         sampler = make_sampler(n, args.canvas, args.vocab, args.hidden, embed, backend, device)
@@ -190,7 +197,7 @@ def run(args, rec) -> int:
         hidden_row = bench_hidden_input(args, embed, backend, device, cuda, warmup)
 
     shape = {"backend": backend, "canvas": args.canvas, "vocab": args.vocab, "hidden": args.hidden,
-             "logits_dtype": args.dtype}
+             "logits_dtype": args.dtype, "workload": args.workload}
     rec.meta.update(shape)
     meta = rec.meta
     plot(results, plot_path, meta)

@@ -16,6 +16,16 @@ class SamplerConfig:
     ``stability_threshold`` follows Transformers: 1 means the current argmax canvas must
     equal the previous one, so the ring of argmax canvases holds ``stability_threshold + 1``
     entries (``ring_size``), as vLLM stores it.
+
+    ``tail_eps`` is the probability mass the self-conditioning soft embedding may leave out
+    of a row (``support.py``): a row whose mass sits on at most ``support.MAX_SUPPORT``
+    tokens but a tail of at most ``tail_eps`` takes a gather over those tokens instead of
+    the dense GEMM, with error ``<= tail_eps * normalizer * max_v |E[v]|_inf`` per component.
+    ``0`` gives the dense result everywhere. Default ``2^-10``: vLLM's own soft embedding
+    rounds every probability to bf16 (relative ``2^-9`` each), so its error is up to
+    ``2^-9 * normalizer * sum_v p_v |E[v]| <= 2^-9 * normalizer * max_v |E[v]|_inf`` before
+    its bf16 output rounding; ``2^-10`` keeps our bound at half of that (a deliberate
+    difference from vLLM, which always multiplies the whole vocabulary).
     """
 
     t_min: float = 0.4
@@ -26,6 +36,7 @@ class SamplerConfig:
     max_denoising_steps: int = 48
     canvas_length: int = 256
     softcap: float | None = None
+    tail_eps: float = 2.0**-10
 
     def __post_init__(self) -> None:
         def need(ok: bool, field: str, expected: str) -> None:
@@ -58,6 +69,9 @@ class SamplerConfig:
         need(count(self.canvas_length) and self.canvas_length >= 1, "canvas_length", "an int >= 1")
         need(self.softcap is None or (finite(self.softcap) and self.softcap > 0),
              "softcap", "None or a finite float > 0")
+        # Below 2^-30 the support cut could reach the bins that lump every negligible token.
+        need(finite(self.tail_eps) and (self.tail_eps == 0 or 2.0**-30 <= self.tail_eps <= 2.0**-4),
+             "tail_eps", "0 or a finite float in [2^-30, 2^-4]")
 
     @property
     def ring_size(self) -> int:

@@ -14,7 +14,7 @@ import numbers
 
 import torch
 
-from . import envs, reference
+from . import envs, reference, support
 from .kernels.contract import FLOAT_DTYPES, RowStats, cuda_capability  # noqa: F401 (re-exported)
 
 BACKENDS = ("auto", "triton", "torch")
@@ -178,6 +178,9 @@ def soft_embedding(
     allowed: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     backend: str = "auto",
+    tail_eps: float = 0.0,
+    argmax: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``normalizer * softmax(z) @ E`` per position, probabilities never stored.
 
@@ -187,6 +190,12 @@ def soft_embedding(
     all-reduces); ``threshold`` ``[R, W]`` is ``row_stats(...).threshold`` when top-k /
     top-p were used. Rows with ``keep`` False come out zero. Returns ``[R, W, H]`` fp32,
     written into ``out`` when given.
+
+    ``tail_eps`` > 0: rows whose probability mass sits, up to ``tail_eps``, on at most
+    ``support.MAX_SUPPORT`` tokens are computed over those tokens only (``support.py``), with
+    error ``<= tail_eps * normalizer * max_v |E[v]|_inf`` per component; 0 is the dense
+    result. ``argmax`` / ``entropy`` ``[R, W]`` from ``row_stats`` (same temperature and
+    masks) let rows skip the support pass (optional).
     """
     _check_logits(logits)
     r, w, vocab = logits.shape
@@ -216,6 +225,13 @@ def soft_embedding(
     elif isinstance(normalizer, bool) or not isinstance(normalizer, (int, float)):
         raise TypeError(f"normalizer must be a float or a 1-element tensor, got {type(normalizer).__name__}")
     _check_softcap(softcap)
+    if not (isinstance(tail_eps, (int, float))
+            and (tail_eps == 0 or support.MIN_TAIL_EPS <= tail_eps <= 2.0**-4)):
+        raise ValueError(f"tail_eps must be 0 or a float in [2^-30, 2^-4], got {tail_eps!r}")
+    if argmax is not None:
+        check_tensor("argmax", argmax, dtypes=(torch.int64,), device=dev, shape=(r, w))
+    if entropy is not None:
+        check_tensor("entropy", entropy, dtypes=(torch.float32,), device=dev, shape=(r, w))
     if out is not None:
         check_tensor("out", out, dtypes=(torch.float32,), device=dev, shape=(r, w, hidden))
         if out.stride(2) != 1 or out.stride(0) != w * out.stride(1):
@@ -227,6 +243,14 @@ def soft_embedding(
         threshold=None if threshold is None else threshold.reshape(-1),
         allowed=_contiguous_mask(allowed), vocab_start=vocab_start, softcap=softcap, out=out_flat,
     )
+    if tail_eps > 0:
+        triton = resolve_backend(backend, dev) == "triton"
+        fns = support.functions_for(triton_soft_embedding_rows if triton else reference.soft_embedding_rows)
+        res, _ = support.soft_embedding_tail(
+            *fns, flat, request, temperature, lse.reshape(-1), embed_weight, normalizer,
+            tail_eps=tail_eps, argmax=None if argmax is None else argmax.reshape(-1),
+            entropy=None if entropy is None else entropy.reshape(-1), **kwargs)
+        return res.view(r, w, hidden)
     if resolve_backend(backend, dev) == "triton":
         run = triton_soft_embedding_rows
     else:

@@ -368,7 +368,7 @@ class StepRunner:
             vocab_start=self.vocab_start if column_tokens is None else 0,
             sc_reduce=self.sc_reduce,
             layout=plan.layout, noise_backend=self.backend,
-            update_runner=plan.update_graph,
+            update_runner=plan.update_graph, tail_eps=self.cfg.tail_eps,
         )
 
     def _embed_for(self, column_tokens: torch.Tensor | None) -> torch.Tensor:
@@ -408,9 +408,11 @@ def _concat(outputs: list[StepOutput]) -> StepOutput:
     if len(outputs) == 1:
         return outputs[0]
     stats = RowStats(*(torch.cat(parts) for parts in zip(*(o.stats.as_tuple() for o in outputs))))
+    paths = [o.sc_path_rows for o in outputs if o.sc_path_rows is not None]
     return StepOutput(
         sampled=torch.cat([o.sampled for o in outputs]),
         num_sampled=torch.cat([o.num_sampled for o in outputs]),
         just_converged=torch.cat([o.just_converged for o in outputs]),
         stats=stats,
+        sc_path_rows=torch.stack(paths).sum(0) if paths else None,
     )

@@ -33,7 +33,7 @@ from typing import Protocol
 
 import torch
 
-from . import envs
+from . import envs, support
 from .keyed_noise import Stream, random_tokens
 from .reference import RowStats
 
@@ -49,6 +49,9 @@ class StepOutput:
     just_converged: torch.Tensor  # [n] bool: denoise steps that converged
     stats: RowStats  # [n, W] per-position statistics (phantom positions filled in)
     logprobs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # [support.NUM_PATHS] int64 on the device: rows per soft-embedding path (support.PATH_*),
+    # None when the step ran the dense soft embedding only (tail_eps 0).
+    sc_path_rows: torch.Tensor | None = None
 
 
 class UpdateRunner(Protocol):
@@ -335,6 +338,7 @@ def decode_step(
     layout: StepLayout | None = None,
     noise_backend: str = "auto",
     update_runner: UpdateRunner | None = None,
+    tail_eps: float = 0.0,
 ) -> StepOutput:
     """Run one decode step for the requests in ``slots`` (device tensors, no host sync).
 
@@ -351,6 +355,8 @@ def decode_step(
     per-request gathers, ``update_runner(update, flat)`` the state update
     (``update_after_stats``) and ``detach(out)`` hands the output over; by default they are
     called directly.
+    ``tail_eps``: the soft embedding's tail tolerance (``support.py``); a vocabulary slice of
+    ``embed_weight`` gets the share ``tail_eps * V_local / V``, so the all-reduced sum keeps it.
     """
     n = slots.numel()
     n_rows, cols = logits.shape
@@ -386,22 +392,33 @@ def decode_step(
 
     # 7. Self-conditioning: written straight into the slot-indexed state rows (cleared by
     # the update).
+    sc_path_rows = None
     if soft:
         sc = state.self_conditioning_embeds
         sc_rows = sc.view(-1, sc.shape[-1])
         # Without top-k / top-p every threshold is -inf: pass none (the Hopper kernel then
         # skips a compare and a select per probability).
         threshold = flat.threshold if (top_k is not None or top_p is not None) else None
-        soft_fn(logits, request, temperature, flat.lse, embed_weight, normalizer, keep=keep,
-                threshold=threshold, allowed=allowed, vocab_start=vocab_start,
-                softcap=softcap, out=sc_rows, out_index=layout.sc_index)
+        soft_args = (logits, request, temperature, flat.lse, embed_weight, normalizer)
+        soft_kwargs = dict(keep=keep, threshold=threshold, allowed=allowed, vocab_start=vocab_start,
+                           softcap=softcap, out=sc_rows, out_index=layout.sc_index)
+        slice_eps = tail_eps * embed_weight.shape[0] / cols
+        if slice_eps >= support.MIN_TAIL_EPS:
+            _, rows_support = support.soft_embedding_tail(
+                *support.functions_for(soft_fn), *soft_args, **soft_kwargs, tail_eps=slice_eps,
+                argmax=flat.argmax if column_tokens is None else None, entropy=flat.entropy)
+            sc_path_rows = rows_support.path_rows()
+        else:
+            soft_fn(*soft_args, **soft_kwargs)
         if sc_reduce is not None:
             # Partial sums of a vocabulary slice: add the other ranks' (in fp32).
             part = sc[slots, :W]
             sc_reduce(part)
             sc[slots, :W] = part
     # (After the GEMM's launch: what the caller keeps leaves the runner's memory last.)
-    return out if update_runner is None else update_runner.detach(out)
+    out = out if update_runner is None else update_runner.detach(out)
+    out.sc_path_rows = sc_path_rows
+    return out
 
 
 def update_after_stats(

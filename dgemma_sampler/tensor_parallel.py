@@ -387,6 +387,7 @@ def soft_embedding_sharded(
     allowed: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     backend: str = "auto",
+    tail_eps: float = 0.0,
 ) -> torch.Tensor:
     """``normalizer * softmax(z) @ E`` over the full vocabulary, from this rank's slice.
 
@@ -395,6 +396,9 @@ def soft_embedding_sharded(
     ``row_stats_sharded(...).lse``. Each rank computes its slice's share (already scaled by
     the normalizer) and one fp32 all_reduce(sum) adds them. Returns ``[R, W, H]`` fp32,
     identical on every rank, zero where ``keep`` is False.
+
+    ``tail_eps`` (``support.py``): each rank leaves out at most ``tail_eps / world`` of a row's
+    mass from its slice, so the reduced sum leaves out at most ``tail_eps``.
     """
     _reject_constraints(threshold=threshold, allowed=allowed)
     ops.check_tensor("local_logits", local_logits, dim=3, dtypes=ops.FLOAT_DTYPES)
@@ -422,7 +426,8 @@ def soft_embedding_sharded(
         # so the reduced result carries it exactly once.
         out = ops.soft_embedding(local_logits, temperature, global_lse, local_embed_weight,
                                  normalizer, keep=keep, vocab_start=0, softcap=softcap,
-                                 out=out, backend=backend)
+                                 out=out, backend=backend,
+                                 tail_eps=tail_eps / world if tail_eps else 0.0)
     if world > 1 and out.numel():
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
     return out

@@ -40,7 +40,8 @@ def general_step(sampler, logits, slots, valid):
         confidence_threshold=sampler.cfg.confidence_threshold, entropy_bound=sampler.cfg.entropy_bound,
         temperature_of=lambda sl: sampler.cfg.temperature(s.step[sl]).to(torch.float32),
         stats_fn=sampler.stats_fn, soft_fn=sampler.soft_fn, embed_weight=sampler.embed_weight,
-        normalizer=sampler.normalizer, vocab_size=s.vocab_size, noise_backend=sampler.backend)
+        normalizer=sampler.normalizer, vocab_size=s.vocab_size, noise_backend=sampler.backend,
+        tail_eps=sampler.cfg.tail_eps)
 
 
 @pytest.mark.parametrize("widths,valid,pins", [

@@ -1,0 +1,227 @@
+"""The tail-tolerant soft embedding on peaked, broad and mixed workloads (issue #31).
+
+For each number of requests and each workload family (``workloads.py``) it reports, in one run:
+
+* the support size |S| at the default ``tail_eps`` per family (peaked k = 1..6, broad), from
+  the support pass run on every row;
+* the fraction of rows per path of the step (``StepOutput.sc_path_rows``);
+* the soft embedding alone: cuBLAS dense (bf16 probabilities @ E, probabilities given), our
+  dense GEMM (``tail_eps = 0``), ours with the tail tolerance (support + dense rows + gather),
+  (dense rows split by tiles: mostly-dense 128-row tiles on the Hopper kernel, the rest
+  compacted on the Triton kernel, ``support.dense_by_tiles``), and the tail path with all dense
+  rows on the Hopper kernel (``*_masked``: it masks dropped rows) or all on the Triton kernel
+  (``*_compact``: it compacts them);
+* the whole step with the tail tolerance against the dense-only step, and the floor (one
+  logits read + the cuBLAS GEMM) of ``bench_step.measure_floor``;
+* with 1 request, the all-peaked step (k 3..6) replayed from a CUDA graph.
+
+Targets (H200, CL 256, V 262144, H 2816, fp32 logits): 32 requests all peaked, step <= 5 ms;
+half peaked, step <= 0.6 x the dense floor; broad only, step <= 1.03 x the dense-only step;
+1 request all peaked, graph-replayed step <= 0.5 ms.
+
+    python bench_sparse.py            # ~2-3 minutes on an H100/H200
+    python bench_sparse.py --quick    # 32 requests, 6 families, 5 reps; + the graph replay
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import platform
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import record  # noqa: E402
+import workloads  # noqa: E402
+from bench_step import device_timer, measure_floor  # noqa: E402
+
+import dgemma_sampler as ds  # noqa: E402
+from dgemma_sampler import support as sp  # noqa: E402
+
+PATH_NAMES = ("not_kept", "top1", "support", "stats_dense", "support_dense")
+
+
+def make_sampler(n, canvas, vocab, hidden, embed, tail_eps, backend, device):
+    cfg = ds.SamplerConfig(canvas_length=canvas, confidence_threshold=0.0,
+                           max_denoising_steps=1_000_000, tail_eps=tail_eps)
+    state = ds.DiffusionState(n, cfg, vocab, hidden, device)
+    for s in range(n):
+        state.add_request(s, seed=1000 + s)
+    sampler = ds.DiffusionSampler(cfg, state, embed, float(hidden) ** 0.5, backend=backend)
+    sampler.prefill(list(range(n)))
+    return sampler
+
+
+def support_sizes(logits, ks, temperature, eps):
+    """|S| of every row (tiers 1 and 2 off) -> {family: (median, p90, max)}."""
+    rows, vocab = logits.shape
+    t = torch.full((1,), temperature, device=logits.device)
+    st = ds.row_stats(logits.view(1, rows, vocab), t, torch.zeros(1, dtype=torch.int64, device=logits.device),
+                      torch.zeros(1, dtype=torch.int64, device=logits.device))
+    find = sp.backend_functions(ds.ops.resolve_backend("auto", logits.device))[0]
+    res = find(logits, torch.zeros(rows, dtype=torch.int64, device=logits.device), t,
+               st.lse.reshape(-1), tail_eps=eps, bin_weights=sp.weights_on(logits.device),
+               budget=sp.tail_budget(eps))
+    count = (res.count if isinstance(res, sp.Support) else res[1]).cpu().float()
+    out = {}
+    for k in sorted(set(ks.tolist())):
+        c = count[ks == k]
+        name = "broad" if k == 0 else f"peaked_k{k}"
+        out[name] = {"median": float(c.median()), "p90": float(c.quantile(0.9)), "max": float(c.max())}
+    return out
+
+
+def bench_family(family, n, args, embed, backend, device, cuda, gen, floor):
+    rows = n * args.canvas
+    t = args.temperature
+    logits, ks = workloads.make_logits(family, n, args.canvas, args.vocab, t, gen, device)
+    row = {"family": family, "requests": n, "rows": rows,
+           "peaked_fraction": float((ks > 0).float().mean())}
+    if family in ("peaked", "broad", "peaked36") or args.sizes_all:
+        row["support_size"] = support_sizes(logits, ks, t, args.eps)
+    slots = list(range(n))
+    tail = make_sampler(n, args.canvas, args.vocab, args.hidden, embed, args.eps, backend, device)
+    dense = make_sampler(n, args.canvas, args.vocab, args.hidden, embed, 0.0, backend, device)
+    out = tail.step(logits, slots)
+    paths = out.sc_path_rows.cpu().tolist()
+    row["path_fraction"] = {name: paths[i] / rows for i, name in enumerate(PATH_NAMES)}
+    row["step_tail_ms"] = device_timer(lambda: tail.step(logits, slots), 2, args.reps, cuda)
+    row["step_dense_ms"] = device_timer(lambda: dense.step(logits, slots), 2, args.reps, cuda)
+    # the soft embedding alone, all rows kept
+    x = logits.view(n, args.canvas, args.vocab)
+    temp = torch.full((n,), t, device=device)
+    st = ds.row_stats(x, temp, torch.arange(n, device=device), torch.zeros(n, dtype=torch.int64, device=device))
+    norm = float(args.hidden) ** 0.5
+    buf = torch.empty(n, args.canvas, args.hidden, device=device)
+    row["se_dense_ms"] = device_timer(
+        lambda: ds.soft_embedding(x, temp, st.lse, embed, norm, out=buf), 2, args.reps, cuda)
+    row["se_tail_ms"] = device_timer(
+        lambda: ds.soft_embedding(x, temp, st.lse, embed, norm, out=buf, tail_eps=args.eps,
+                                  argmax=st.argmax, entropy=st.entropy), 2, args.reps, cuda)
+    if cuda:
+        # The tail path with every dense row on the Hopper kernel (it masks dropped rows: a
+        # 128-row tile with one dense row runs its whole K loop), then every dense row on the
+        # Triton kernel (it compacts them), and the Triton kernel's dense result.
+        from dgemma_sampler.kernels.soft_embedding import soft_embedding_rows
+        find, _, gather = sp.backend_functions("triton")
+        compact = functools.partial(soft_embedding_rows, wgmma=False)
+        flat = logits
+        req = torch.arange(n, device=device).repeat_interleave(args.canvas)
+        row["se_tail_masked_ms"] = device_timer(
+            lambda: sp.soft_embedding_tail(find, soft_embedding_rows, gather, flat, req, temp,
+                                           st.lse.reshape(-1), embed, norm, tail_eps=args.eps,
+                                           out=buf.view(rows, args.hidden),
+                                           argmax=st.argmax.reshape(-1),
+                                           entropy=st.entropy.reshape(-1)), 2, args.reps, cuda)
+        flat_buf = buf.view(rows, args.hidden)
+        row["se_tail_compact_ms"] = device_timer(
+            lambda: sp.soft_embedding_tail(find, compact, gather, flat, req, temp, st.lse.reshape(-1),
+                                           embed, norm, tail_eps=args.eps, out=flat_buf,
+                                           argmax=st.argmax.reshape(-1),
+                                           entropy=st.entropy.reshape(-1)), 2, args.reps, cuda)
+        row["se_dense_compact_ms"] = device_timer(
+            lambda: compact(flat, req, temp, st.lse.reshape(-1), embed, norm, out=flat_buf),
+            2, args.reps, cuda)
+    if floor:
+        row["cublas_ms"] = floor["gemm_ms"]
+        row["floor_ms"] = floor["floor_ms"]
+        row["step_tail_over_floor"] = row["step_tail_ms"] / floor["floor_ms"]
+    row["step_tail_over_dense"] = row["step_tail_ms"] / row["step_dense_ms"]
+    return row
+
+
+def bench_graph(args, embed, backend, device, gen):
+    """1 request, every row peaked: the step captured in a CUDA graph, replay time."""
+    logits, _ = workloads.make_logits("peaked36", 1, args.canvas, args.vocab, args.temperature, gen, device)
+    res = {}
+    for name, eps in (("tail", args.eps), ("dense", 0.0)):
+        sampler = make_sampler(1, args.canvas, args.vocab, args.hidden, embed, eps, backend, device)
+        run = sampler.graphable([0])
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            run(logits)
+            run(logits)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run(logits)
+        res[f"graph_step_{name}_ms"] = device_timer(graph.replay, 3, max(args.reps, 20), True)
+    return res
+
+
+def main(argv=None) -> int:
+    cuda = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--requests", default=None, help="default 1,32 on a GPU (32 with --quick)")
+    p.add_argument("--families", default=None, help=f"comma list of {workloads.FAMILIES}")
+    p.add_argument("--canvas", type=int, default=256 if cuda else 16)
+    p.add_argument("--vocab", type=int, default=262144 if cuda else 2048)
+    p.add_argument("--hidden", type=int, default=2816 if cuda else 64)
+    p.add_argument("--temperature", type=float, default=0.8, help="the step's (t_max, early steps)")
+    p.add_argument("--eps", type=float, default=ds.SamplerConfig().tail_eps)
+    p.add_argument("--reps", type=int, default=10 if cuda else 2)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--sizes-all", action="store_true", help="support sizes for every family")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    device = torch.device("cuda" if cuda else "cpu")
+    name = torch.cuda.get_device_name() if cuda else platform.processor() or "cpu"
+    default_requests = ("32" if args.quick else "1,32") if cuda else "2"
+    requests = [int(r) for r in (args.requests or default_requests).split(",")]
+    families = (args.families.split(",") if args.families else
+                ["broad", "mix50", "mix50c", "peaked", "peaked36", "trajectory"] if args.quick
+                else list(workloads.FAMILIES))
+    if args.quick:
+        args.reps = min(args.reps, 5)
+    backend = ds.ops.resolve_backend("auto", device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    embed = (torch.randn(args.vocab, args.hidden, device=device, generator=gen) * 0.02).to(torch.bfloat16)
+    with record.Record("sparse", args.out) as rec:
+        results = []
+        for n in requests:
+            floor = None
+            if cuda:
+                x = torch.empty(n * args.canvas, args.vocab, device=device)
+                floor = measure_floor(n * args.canvas, args.vocab, args.hidden, x, embed, 2, 10)
+                del x
+            for family in families:
+                row = bench_family(family, n, args, embed, backend, device, cuda, gen, floor)
+                if cuda:
+                    torch.cuda.empty_cache()  # the family's logits and samplers are gone
+                results.append(row)
+                print(json.dumps(row), flush=True)
+        graph = bench_graph(args, embed, backend, device, gen) if cuda else None
+        shape = {"canvas": args.canvas, "vocab": args.vocab, "hidden": args.hidden, "eps": args.eps,
+                 "temperature": args.temperature, "max_support": sp.MAX_SUPPORT}
+        rec.meta.update(shape)
+        print(f"\n{name}: eps {args.eps:g}, K {sp.MAX_SUPPORT}, T {args.temperature}")
+        print(f"{'req':>4} {'family':>10} {'sparse%':>8} {'se cuBLAS':>9} {'se dense':>9} {'se tail':>8} "
+              f"{'step dense':>10} {'step tail':>9} {'tail/dense':>10} {'tail/floor':>10} "
+              f"{'se dense cmp':>12} {'se tail cmp':>11} {'se tail msk':>11}")
+        for r in results:
+            pf = r["path_fraction"]
+            sparse = 100 * (pf["top1"] + pf["support"])
+            print(f"{r['requests']:>4} {r['family']:>10} {sparse:>7.1f}% {r.get('cublas_ms', float('nan')):>9.2f} "
+                  f"{r['se_dense_ms']:>9.2f} {r['se_tail_ms']:>8.2f} {r['step_dense_ms']:>10.2f} "
+                  f"{r['step_tail_ms']:>9.2f} {r['step_tail_over_dense']:>10.2f} "
+                  f"{r.get('step_tail_over_floor', float('nan')):>10.2f} "
+                  f"{r.get('se_dense_compact_ms', float('nan')):>12.2f} "
+                  f"{r.get('se_tail_compact_ms', float('nan')):>11.2f} "
+                  f"{r.get('se_tail_masked_ms', float('nan')):>11.2f}")
+            if "support_size" in r:
+                print("      |S|: " + ", ".join(f"{k} {v['median']:.0f}/{v['p90']:.0f}"
+                                                for k, v in r["support_size"].items()) + " (median/p90)")
+        if graph:
+            print("1 request, all peaked, graph replay: " +
+                  ", ".join(f"{k} {v:.3f} ms" for k, v in graph.items()))
+        rec.save({"results": results, "graph": graph}, {**shape, "rows": results, "graph": graph})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

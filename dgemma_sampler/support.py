@@ -1,0 +1,406 @@
+"""The soft embedding over each row's probability support: which rows may skip the dense GEMM.
+
+The self-conditioning soft embedding of a row is ``normalizer * sum_v p_v E[v]``. Leaving out
+a set of tokens of total mass ``m`` changes every component by at most
+``m * normalizer * max_v |E[v]|_inf``. So for a tolerance ``eps`` a row whose mass sits, up to
+``eps``, on a support S of at most ``K`` tokens (``max_support``) is computed as the gather
+``normalizer * sum_{v in S} p_v E[v]`` (not renormalised), every other row by the dense GEMM.
+This module is the PyTorch oracle of that decision and of the gather; the Triton twins are
+``kernels/soft_embedding_support.py`` and ``kernels/soft_embedding_gather.py``.
+
+Probabilities are those of the dense path: ``z`` softcapped, masked (NaN, ``-inf``, below the
+top-k/top-p threshold, outside the allowed set) and scaled exactly as in ``reference.py``,
+``p_v = exp(z_v - lse)`` with the row-statistics ``lse``. Per row, three tiers, no sort and no
+host synchronisation:
+
+1. Free (needs ``argmax``): ``p_top = exp(z_argmax - lse)``; if ``1 - p_top <= eps`` then
+   S = {argmax}. Not for greedy rows (T = 0), whose fp32 ``lse`` cannot tell k tied maxima
+   from one: they go to tier 3, which finds the ties.
+2. Free filters: a row whose entropy exceeds ``entropy_skip(eps, K, V)`` (needs ``entropy``;
+   Fano-style bound, see ``entropy_skip``) or whose top probability is below ``(1 - eps) / K``
+   (needs ``argmax``: K tokens holding ``1 - eps`` hold one of at least that) cannot have such
+   a support: dense, no pass.
+3. Support pass: every kept entry goes to a bin ``j = floor(-4 log2 p_v)`` (4 bins per octave,
+   ``NUM_BINS - 1`` of them, the last one lumping everything below ``2^-63.5``); a token in
+   bin j has ``p_v <= 2^(-j/4)``. The tail bound of a cut c is ``sum_{j >= c} count_j 2^(-j/4)``,
+   summed exactly in 2^-56 fixed point with every weight rounded up; the cut is the smallest c
+   whose bound is ``<= eps`` and S the tokens of the bins below it, in vocabulary order. A
+   bin's bound is within a factor 2^(1/4) of its mass, so S is no larger than the minimal set
+   of tolerance ``eps / 2^(1/4)`` up to the tokens of one bin (tested, not a theorem).
+   ``|S| <= K``: sparse, else dense.
+
+fp32 rounding: the bins are computed against ``lse - d`` with ``d = (|lse| + 16) 2^-17``,
+which exceeds the fp32 error of ``lse`` and of the bin arithmetic, so every token's bin bound
+holds for its exact probability; tier 1 uses ``lse + d``. Greedy rows take ``d = 0``: their
+probabilities are, by definition (and on the dense path), 1 for each tied maximum and 0 else.
+
+Tensor parallelism: the decision is local to a vocabulary slice (``vocab_start``, ``v_local``)
+and ``eps`` is that slice's budget; a caller that all-reduces slices passes ``eps / world``
+to each, so the excluded mass of the sum stays ``<= eps``. Tier 1 needs the argmax's logit,
+so it applies only on the slice that holds it (the others find an empty or small S in tier 3).
+
+Path codes per row (``PATH_*``): not kept, sparse by tier 1, sparse by the pass, dense by the
+tier-2 filters, dense by the support size. Rows whose ``lse`` is not finite (nothing kept)
+are sparse with an empty S, i.e. zero, as on the dense path.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from . import envs, reference
+
+# K: the largest support the gather takes. Issue #31's H100 figures (plain torch gather + bmm,
+# H = 2816): K = 16 / 64 / 256 rows of E per row cost 0.06 / 0.2 / 0.8 of the dense GEMM per
+# row; a fused gather about half that. Tune on the GPU.
+MAX_SUPPORT = 64
+NUM_BINS = 256  # 255 bins of a quarter octave, then one for masked entries (weight 0)
+BINS_PER_OCTAVE = 4
+FIXED_BITS = 56  # tail bounds in units of 2^-56: sum_j count_j w_j stays below 2^63
+# The smallest tolerance: below it the cut could reach the last bins, which lump every token
+# under 2^-63.5 (and the budget in 2^-56 units gets coarse).
+MIN_TAIL_EPS = 2.0**-30
+
+PATH_NOT_KEPT, PATH_TOP1, PATH_SUPPORT, PATH_STATS_DENSE, PATH_SUPPORT_DENSE = range(5)
+NUM_PATHS = 5
+SPARSE_PATHS = (PATH_TOP1, PATH_SUPPORT)
+DENSE_PATHS = (PATH_STATS_DENSE, PATH_SUPPORT_DENSE)
+LOG2E = 1.4426950408889634
+
+
+def _ceil_root4(n: int) -> int:
+    r = math.isqrt(math.isqrt(n))
+    while r**4 < n:
+        r += 1
+    return r
+
+
+def default_bin_weights(device: torch.device | str = "cpu") -> torch.Tensor:
+    """``[NUM_BINS]`` int64: ``ceil(2^(56 - j/4))`` (exact integer root), 0 for the masked bin."""
+    w = [_ceil_root4(2 ** (4 * FIXED_BITS - j)) if j <= 4 * FIXED_BITS else 1
+         for j in range(NUM_BINS - 1)] + [0]
+    return torch.tensor(w, dtype=torch.int64, device=device)
+
+
+_WEIGHTS: dict[str, torch.Tensor] = {}
+
+
+def weights_on(device: torch.device) -> torch.Tensor:
+    """``default_bin_weights`` on ``device``, built once per device."""
+    key = str(device)
+    if key not in _WEIGHTS:
+        _WEIGHTS[key] = default_bin_weights(device)
+    return _WEIGHTS[key]
+
+
+def tail_budget(tail_eps: float) -> int:
+    """``eps`` in 2^-56 units, rounded down (exact: eps times a power of two)."""
+    return math.floor(tail_eps * 2.0**FIXED_BITS)
+
+
+def entropy_skip(tail_eps: float, max_support: int, vocab_size: int) -> float:
+    """Entropy (nats) above which no distribution over ``vocab_size`` tokens puts mass
+    ``>= 1 - eps`` on ``<= max_support`` tokens; ``inf`` where no such bound exists.
+
+    For S with ``|S| <= K`` and mass ``a = P(S) >= 1 - eps``, the chain rule over the partition
+    {S, not S} gives ``H = H_b(a) + a H(p | S) + (1 - a) H(p | not S)
+    <= H_b(a) + a ln K + (1 - a) ln(V - K) =: f(a)``. ``f'(a) = ln((1 - a) / a) + ln(K / (V - K))``
+    is negative for ``a > K / V``, so when ``1 - eps > K / V`` the maximum over
+    ``a in [1 - eps, 1]`` is at ``a = 1 - eps``: ``H_b(1 - eps) + (1 - eps) ln K + eps ln(V - K)``.
+    (Masked tokens only lower the bound, so V may be the whole vocabulary.)
+    """
+    k, n, eps = max_support, vocab_size, tail_eps
+    if eps <= 0 or k < 1 or 1 - eps <= k / n:
+        return math.inf
+    a = 1.0 - eps
+    h_b = -a * math.log(a) - eps * math.log(eps)
+    return h_b + a * math.log(k) + eps * math.log(n - k)
+
+
+def entropy_skip_f32(tail_eps: float, max_support: int, vocab_size: int) -> float:
+    """``entropy_skip`` rounded up to an fp32 value (what the kernel compares against)."""
+    h = entropy_skip(tail_eps, max_support, vocab_size)
+    if math.isinf(h):
+        return h
+    t = torch.tensor(h, dtype=torch.float32)
+    if float(t) < h:
+        t = torch.nextafter(t, torch.tensor(math.inf))
+    return float(t)
+
+
+@dataclass
+class Support:
+    """Per-row decision: ``path`` [N] int8 (``PATH_*``), ``count`` [N] int32 (|S|; -1 where no
+    pass ran: not kept, filtered), ``ids`` [N, K] int32 (S's columns relative to
+    ``vocab_start`` in vocabulary order for sparse rows, -1 padded)."""
+
+    path: torch.Tensor
+    count: torch.Tensor
+    ids: torch.Tensor
+
+    def sparse(self) -> torch.Tensor:
+        return (self.path == PATH_TOP1) | (self.path == PATH_SUPPORT)
+
+    def dense(self) -> torch.Tensor:
+        return (self.path == PATH_STATS_DENSE) | (self.path == PATH_SUPPORT_DENSE)
+
+    def path_rows(self) -> torch.Tensor:
+        """``[NUM_PATHS]`` int64 row counts per path, on the device (no sync)."""
+        # (torch.bincount would ask the device for the largest value: a host sync)
+        rows = torch.zeros(NUM_PATHS, dtype=torch.int64, device=self.path.device)
+        return rows.index_add_(0, self.path.to(torch.int64), torch.ones_like(self.path, dtype=torch.int64))
+
+
+def lse_margin(lse: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+    """``d = (|lse| + 16) 2^-17`` (fp32), 0 for greedy rows and rows without a finite lse."""
+    d = (lse.abs() + 16.0) * 2.0**-17
+    return torch.where(greedy | ~torch.isfinite(lse), 0.0, d)
+
+
+def support_rows(
+    logits: torch.Tensor,
+    row_request: torch.Tensor,
+    temperature: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    tail_eps: float,
+    bin_weights: torch.Tensor | None = None,
+    budget: int | None = None,
+    v_local: int | None = None,
+    vocab_start: int = 0,
+    max_support: int = MAX_SUPPORT,
+    keep: torch.Tensor | None = None,
+    threshold: torch.Tensor | None = None,
+    allowed: torch.Tensor | None = None,
+    softcap: float | None = None,
+    argmax: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    entropy_bound: float = math.inf,
+    chunk_rows: int = 64,
+) -> Support:
+    """Reference support decision over flat rows (module docstring), for the logits columns
+    ``[vocab_start, vocab_start + v_local)``. ``argmax`` [N] int64 (column ids) enables tier 1,
+    ``entropy`` [N] fp32 with ``entropy_bound`` (``entropy_skip_f32``) tier 2. ``bin_weights``
+    and ``budget`` default to ``default_bin_weights()`` and ``tail_budget(tail_eps)``."""
+    n_rows, vocab = logits.shape
+    v_local = vocab - vocab_start if v_local is None else v_local
+    dev = logits.device
+    k = max_support
+    path = torch.full((n_rows,), PATH_SUPPORT, dtype=torch.int8, device=dev)
+    count = torch.full((n_rows,), -1, dtype=torch.int32, device=dev)
+    ids = torch.full((n_rows, k), -1, dtype=torch.int32, device=dev)
+    inv_t = reference.inverse_temperature(temperature)
+    greedy_req = temperature.to(torch.float32) == 0
+    weights = bin_weights.to(dev) if bin_weights is not None else default_bin_weights(dev)
+    budget = tail_budget(tail_eps) if budget is None else budget
+    cols = slice(vocab_start, vocab_start + v_local)
+    local = torch.arange(v_local, device=dev, dtype=torch.int32)
+    for r0 in range(0, n_rows, chunk_rows):
+        r1 = min(r0 + chunk_rows, n_rows)
+        req = row_request[r0:r1].to(torch.int64)
+        row_lse = lse[r0:r1]
+        greedy = greedy_req[req]
+        finite = torch.isfinite(row_lse)
+        d = lse_margin(row_lse, greedy)
+        x = reference.softcapped(logits[r0:r1, cols], softcap)
+        thr = threshold[r0:r1] if threshold is not None else torch.full_like(row_lse, -math.inf)
+        masked = torch.isnan(x) | (x == -math.inf) | (x < thr.unsqueeze(1))
+        if allowed is not None:
+            masked |= ~allowed[req][:, cols]
+        z = torch.clamp(x * inv_t[req].unsqueeze(1), max=reference.FLT_MAX)
+        # tier 3: bins against lse - d
+        u4 = (z - (row_lse - d).unsqueeze(1)) * (BINS_PER_OCTAVE * LOG2E)
+        b = torch.clamp(torch.floor(-u4), 0, NUM_BINS - 2)
+        b = torch.where(masked | torch.isnan(b), NUM_BINS - 1, b).to(torch.int64)
+        counts = torch.zeros(r1 - r0, NUM_BINS, dtype=torch.int64, device=dev)
+        counts.scatter_add_(1, b, torch.ones_like(b))
+        t = counts * weights
+        suffix = t.flip(1).cumsum(1).flip(1)  # sum_{j >= c} count_j w_j, exact
+        js = torch.arange(NUM_BINS, device=dev)
+        cut = torch.where(suffix <= budget, js, NUM_BINS).min(dim=1).values
+        in_s = b < cut.unsqueeze(1)
+        size = in_s.sum(dim=1)
+        rows_path = torch.where(size <= k, PATH_SUPPORT, PATH_SUPPORT_DENSE)
+        rows_count = size.to(torch.int32)
+        # tier 2
+        filt = torch.zeros_like(finite)
+        if entropy is not None:
+            filt = entropy[r0:r1] > torch.tensor(entropy_bound, dtype=torch.float32)
+        # tier 1 (and the top-probability filter of tier 2)
+        top1 = torch.zeros_like(finite)
+        if argmax is not None:
+            a = argmax[r0:r1].to(torch.int64)
+            here = (a >= vocab_start) & (a < vocab_start + v_local)
+            a_loc = (a - vocab_start).clamp(0, max(v_local - 1, 0))
+            z_a = z.gather(1, a_loc.unsqueeze(1)).squeeze(1) if v_local else torch.zeros_like(row_lse)
+            tail1 = 1.0 - torch.exp2((z_a - (row_lse + d)) * LOG2E) + 2.0**-20
+            top1 = here & ~greedy & finite & (tail1 <= tail_eps)
+            p_hi = torch.exp2((z_a - (row_lse - d)) * LOG2E)
+            filt |= here & finite & (p_hi < torch.tensor((1.0 - tail_eps) / k, dtype=torch.float32))
+        rows_path = torch.where(filt, PATH_STATS_DENSE, rows_path)
+        rows_count = torch.where(filt, -1, rows_count)
+        if argmax is not None:
+            rows_path = torch.where(top1, PATH_TOP1, rows_path)
+            rows_count = torch.where(top1, 1, rows_count)
+        rows_path = torch.where(finite, rows_path, PATH_TOP1)
+        rows_count = torch.where(finite, rows_count, 0)
+        if keep is not None:
+            kept = keep[r0:r1]
+            rows_path = torch.where(kept, rows_path, PATH_NOT_KEPT)
+            rows_count = torch.where(kept, rows_count, -1)
+        path[r0:r1] = rows_path.to(torch.int8)
+        count[r0:r1] = rows_count.to(torch.int32)
+        # S's columns in vocabulary order: the position of each member is its rank in the row
+        write = in_s & (rows_path == PATH_SUPPORT).unsqueeze(1)
+        rr, cc = write.nonzero(as_tuple=True)
+        ids[r0 + rr, in_s.cumsum(1)[rr, cc] - 1] = local[cc]
+        if argmax is not None:
+            first = torch.nonzero(top1 & (rows_path == PATH_TOP1)).flatten()
+            ids[r0 + first, 0] = a_loc[first].to(torch.int32)
+    return Support(path, count, ids)
+
+
+def gather_rows(
+    logits: torch.Tensor,
+    row_request: torch.Tensor,
+    temperature: torch.Tensor,
+    lse: torch.Tensor,
+    embed_weight: torch.Tensor,
+    normalizer: torch.Tensor | float,
+    path: torch.Tensor,
+    count: torch.Tensor,
+    ids: torch.Tensor,
+    *,
+    vocab_start: int = 0,
+    softcap: float | None = None,
+    out: torch.Tensor,
+    out_index: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reference gather: for the sparse rows (``path``, ``count``, ``ids`` of a ``Support``),
+    ``out[row] = normalizer * sum_{v in S} p_v E[v]`` (fp32, vocabulary order); other rows of
+    ``out`` are left alone. ``p_v = 2^((z_v - lse) log2 e)`` as the kernel computes it."""
+    inv_t = reference.inverse_temperature(temperature)
+    norm = torch.as_tensor(normalizer, device=logits.device).to(torch.float32)
+    rows = torch.nonzero(Support(path, count, ids).sparse()).flatten()
+    if rows.numel() == 0:
+        return out
+    member = torch.arange(ids.shape[1], device=ids.device) < count[rows].unsqueeze(1)
+    cols = torch.where(member, ids[rows], 0).to(torch.int64)
+    x = reference.softcapped(logits[rows.unsqueeze(1), vocab_start + cols], softcap)
+    inv = inv_t[row_request[rows].to(torch.int64)].unsqueeze(1)
+    z = torch.clamp(x * inv, max=reference.FLT_MAX)
+    p = torch.where(member, torch.exp2((z - lse[rows].unsqueeze(1)) * LOG2E), 0.0)
+    acc = torch.zeros(rows.numel(), embed_weight.shape[1], dtype=torch.float32, device=logits.device)
+    for i in range(ids.shape[1]):  # vocabulary order, one member at a time
+        acc += p[:, i:i + 1] * embed_weight[cols[:, i]].to(torch.float32)
+    target = rows if out_index is None else out_index[rows]
+    out[target] = acc * norm
+    return out
+
+
+def soft_embedding_tail(
+    support_fn, dense_fn, gather_fn,
+    logits, row_request, temperature, lse, embed_weight, normalizer, *,
+    tail_eps: float, keep=None, threshold=None, allowed=None, vocab_start: int = 0,
+    softcap=None, out=None, out_index=None, argmax=None, entropy=None,
+    max_support: int = MAX_SUPPORT, entropy_vocab: int | None = None,
+    entropy_support: int | None = None,
+) -> tuple[torch.Tensor, Support]:
+    """Soft embedding with a tail tolerance, from a backend's three functions: the support
+    decision, the dense soft embedding (``soft_embedding_rows``) of the dense rows, then the
+    gather of the sparse rows (after the dense pass, which zeroes the rows it does not keep).
+
+    ``entropy_vocab`` / ``entropy_support`` size the tier-2 bound (default: the logits'
+    vocabulary and ``max_support``; a vocabulary slice passes the whole vocabulary and
+    ``world * max_support``). Returns (out, support).
+    """
+    vocab = logits.shape[1]
+    v_local = embed_weight.shape[0]
+    if not tail_eps >= MIN_TAIL_EPS:
+        raise ValueError(f"tail_eps must be >= 2^-30 here (0 means the dense path), got {tail_eps!r}")
+    h_skip = math.inf
+    if entropy is not None:
+        h_skip = entropy_skip_f32(tail_eps, entropy_support or max_support, entropy_vocab or vocab)
+    support = support_fn(logits, row_request, temperature, lse, tail_eps=tail_eps,
+                         bin_weights=weights_on(logits.device), budget=tail_budget(tail_eps),
+                         v_local=v_local, vocab_start=vocab_start, max_support=max_support,
+                         keep=keep, threshold=threshold, allowed=allowed, softcap=softcap,
+                         argmax=argmax, entropy=entropy if h_skip < math.inf else None,
+                         entropy_bound=h_skip)
+    if not isinstance(support, Support):
+        support = Support(*support)
+    dense_keep = support.dense()
+    out = dense_fn(logits, row_request, temperature, lse, embed_weight, normalizer,
+                   keep=dense_keep, threshold=threshold, allowed=allowed, vocab_start=vocab_start,
+                   softcap=softcap, out=out, out_index=out_index)
+    gather_fn(logits, row_request, temperature, lse, embed_weight, normalizer,
+              support.path, support.count, support.ids,
+              vocab_start=vocab_start, softcap=softcap, out=out, out_index=out_index)
+    return out, support
+
+
+# Dense rows on Hopper. The Gluon kernel masks dropped rows, so a 128-row tile with one dense
+# row runs its whole K loop; the Triton kernel compacts the kept rows but runs a tile ~1.25x
+# slower. A tile with at least this fraction of its rows dense goes to the Gluon kernel, the
+# other dense rows to the Triton kernel (tune on the GPU: bench_sparse.py, mix families).
+WHOLE_TILE_FRACTION = 0.75
+
+
+def hopper_tile_rows(logits, embed_weight, vocab_start, allowed, softcap) -> int | None:
+    """Rows per tile of the Hopper (Gluon) soft embedding where it runs this call, else None."""
+    if logits.device.type != "cuda" or not envs.soft_embedding_wgmma():
+        return None
+    from .kernels.soft_embedding import _wgmma_module
+    module = _wgmma_module()
+    if module is None or not module.supported(logits, embed_weight, vocab_start, allowed, softcap):
+        return None
+    return module.BLOCK_M
+
+
+def dense_by_tiles(dense_fn, logits, row_request, temperature, lse, embed_weight, normalizer, *,
+                   keep, out=None, out_index=None, vocab_start=0, allowed=None, softcap=None,
+                   tile_rows: int | None = None, **kwargs):
+    """``dense_fn`` (the Triton backend's ``soft_embedding_rows``) over the rows ``keep`` marks,
+    split by tiles of ``tile_rows`` rows (default: the Hopper kernel's, None where it does not
+    run, and then one plain call): the mostly-dense tiles on the Hopper kernel, the scattered
+    dense rows compacted on the Triton kernel into a buffer added to ``out`` (its rows are
+    zero there). No host sync; one extra ``[N, H]`` fp32 buffer."""
+    common = dict(vocab_start=vocab_start, allowed=allowed, softcap=softcap, **kwargs)
+    args = (logits, row_request, temperature, lse, embed_weight, normalizer)
+    if tile_rows is None:
+        tile_rows = hopper_tile_rows(logits, embed_weight, vocab_start, allowed, softcap)
+    if tile_rows is None:
+        return dense_fn(*args, keep=keep, out=out, out_index=out_index, **common)
+    n = logits.shape[0]
+    per_tile = torch.nn.functional.pad(keep, (0, -n % tile_rows)).view(-1, tile_rows).sum(1)
+    whole_tile = per_tile >= math.ceil(WHOLE_TILE_FRACTION * tile_rows)
+    whole = whole_tile.unsqueeze(1).expand(-1, tile_rows).reshape(-1)[:n]
+    out = dense_fn(*args, keep=keep & whole, out=out, out_index=out_index, **common)
+    part = dense_fn(*args, keep=keep & ~whole, wgmma=False, **common)
+    if out_index is None:
+        out += part
+    else:
+        out.index_add_(0, out_index, part)  # distinct rows: one add per element, deterministic
+    return out
+
+
+def functions_for(dense_fn):
+    """(support, dense, gather) of the backend whose dense soft embedding is ``dense_fn``."""
+    if dense_fn is reference.soft_embedding_rows:
+        return support_rows, dense_fn, gather_rows
+    find, _, gather = backend_functions("triton")
+    return find, functools.partial(dense_by_tiles, dense_fn), gather
+
+
+def backend_functions(backend: str):
+    """(support, dense, gather) flat-row functions of ``"triton"`` or ``"torch"``."""
+    if backend == "triton":
+        from .kernels.soft_embedding import soft_embedding_rows
+        from .kernels.soft_embedding_gather import gather_rows as gather
+        from .kernels.soft_embedding_support import support_rows as find
+        return find, functools.partial(dense_by_tiles, soft_embedding_rows), gather
+    return support_rows, reference.soft_embedding_rows, gather_rows

@@ -1,0 +1,220 @@
+"""Support pass of the tail-tolerant soft embedding: which rows may take the gather, and over which tokens.
+
+Math (the spec is ``dgemma_sampler/support.py``; this is its Triton twin)
+-------------------------------------------------------------------------
+For a logits row (columns ``[vocab_start, vocab_start + v_local)``), ``z`` softcapped, masked and
+scaled as every row kernel does (``logit_row``), ``p_v = exp(z_v - lse)``, and a budget ``eps``:
+
+1. tier 1 (one gathered logit): non-greedy row whose argmax lies in the slice and
+   ``1 - 2^((z_argmax - lse - d) log2 e) + 2^-20 <= eps``: S = {argmax};
+2. tier 2 (no read): ``entropy > entropy_bound``, or (argmax in the slice)
+   ``2^((z_argmax - lse + d) log2 e) < (1 - eps) / K``: dense;
+3. otherwise one pass bins every kept entry by ``j = floor(-4 log2 p)`` against ``lse - d``
+   (``tl.histogram``, 255 quarter-octave bins plus one for masked entries), sums the tail bounds
+   ``count_j * w_j`` (``w_j >= 2^(56 - j/4)``, int64, exact) from the top bin down, and cuts at
+   the smallest bin c whose tail bound is ``<= eps 2^56``: ``|S| = sum_{j < c} count_j``. When
+   ``|S| <= K`` a second pass writes S's columns, in vocabulary order, into ``ids[row, :|S|]``.
+
+``d = (|lse| + 16) 2^-17`` covers the fp32 error of ``lse`` and of the bin arithmetic (0 for
+greedy rows, whose probabilities are exactly 1 at the tied maxima and 0 elsewhere).
+
+Traffic: tiers 1 and 2 read O(1) per row. A row that runs the pass reads its logits once
+(twice when it turns out sparse: the second read is of a row that is, by then, known to be
+cheap to gather). One program per row; programs of rows that need no pass exit at once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .logit_row import LOG2E, interpreting, scaled, softcapped
+
+# Path codes (dgemma_sampler.support.PATH_*)
+NOT_KEPT = tl.constexpr(0)
+TOP1 = tl.constexpr(1)
+SUPPORT = tl.constexpr(2)
+STATS_DENSE = tl.constexpr(3)
+SUPPORT_DENSE = tl.constexpr(4)
+
+
+@triton.jit
+def _bins(logits_ptr, allowed_ptr, threshold, row, request, cols, v_local, vocab_start,
+          stride_logits, stride_allowed, inv_t, lse_lo,
+          HAS_THRESHOLD: tl.constexpr, HAS_ALLOWED: tl.constexpr, SOFTCAP: tl.constexpr,
+          NUM_BINS: tl.constexpr):
+    """Bin of each column of a block: ``clamp(floor(-(z - lse_lo) 4 log2 e), 0, NUM_BINS - 2)``,
+    ``NUM_BINS - 1`` for masked entries and columns past the slice."""
+    in_slice = cols < v_local
+    x = tl.load(logits_ptr + row * stride_logits + vocab_start + cols, mask=in_slice,
+                other=float("-inf")).to(tl.float32)
+    x = softcapped(x, SOFTCAP)
+    masked = (x != x) | (x == float("-inf")) | ~in_slice  # noqa: PLR0124 (NaN)
+    if HAS_THRESHOLD:
+        masked = masked | (x < threshold)
+    if HAS_ALLOWED:
+        ok = tl.load(allowed_ptr + request * stride_allowed + vocab_start + cols, mask=in_slice,
+                     other=0)
+        masked = masked | (ok == 0)
+    z = scaled(x, inv_t)
+    u4 = (z - lse_lo) * (4.0 * LOG2E)
+    b = tl.minimum(tl.maximum(tl.floor(-u4), 0.0), NUM_BINS - 2.0)
+    return tl.where(masked, NUM_BINS - 1, b.to(tl.int32))
+
+
+@triton.jit
+def support_kernel(
+    logits_ptr, row_request_ptr, temperature_ptr, inv_t_ptr, lse_ptr, threshold_ptr, allowed_ptr,
+    keep_ptr, argmax_ptr, entropy_ptr, weights_ptr, path_ptr, count_ptr, ids_ptr,
+    v_local, vocab_start, stride_logits, stride_allowed,
+    tail_eps, budget, entropy_bound, min_top,
+    HAS_KEEP: tl.constexpr, HAS_THRESHOLD: tl.constexpr, HAS_ALLOWED: tl.constexpr,
+    HAS_ARGMAX: tl.constexpr, HAS_ENTROPY: tl.constexpr, SOFTCAP: tl.constexpr,
+    K: tl.constexpr, NUM_BINS: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    request = tl.load(row_request_ptr + row).to(tl.int64)
+    inv_t = tl.load(inv_t_ptr + request)
+    greedy = tl.load(temperature_ptr + request).to(tl.float32) == 0.0
+    lse = tl.load(lse_ptr + row)
+    finite = tl.abs(lse) < float("inf")
+    d = tl.where(greedy | ~finite, 0.0, (tl.abs(lse) + 16.0) * 0.00000762939453125)  # 2^-17
+    kept = finite | ~finite  # a true scalar
+    if HAS_KEEP:
+        kept = tl.load(keep_ptr + row) != 0
+    threshold = float("-inf")
+    if HAS_THRESHOLD:
+        threshold = tl.load(threshold_ptr + row)
+
+    top1 = ~kept  # a false scalar where kept
+    small_top = top1 & ~top1
+    a_loc = tl.zeros((), tl.int64)
+    if HAS_ARGMAX:
+        a = tl.load(argmax_ptr + row).to(tl.int64)
+        here = (a >= vocab_start) & (a < vocab_start + v_local)
+        a_loc = tl.minimum(tl.maximum(a - vocab_start, 0), tl.maximum(v_local - 1, 0))
+        x_a = tl.load(logits_ptr + row * stride_logits + vocab_start + a_loc,
+                      mask=here, other=0.0).to(tl.float32)
+        z_a = scaled(softcapped(x_a, SOFTCAP), inv_t)
+        tail1 = 1.0 - tl.exp2((z_a - (lse + d)) * LOG2E) + 0.00000095367431640625  # + 2^-20
+        top1 = here & ~greedy & finite & (tail1 <= tail_eps)
+        p_hi = tl.exp2((z_a - (lse - d)) * LOG2E)
+        small_top = here & finite & (p_hi < min_top)
+    top1 = top1 & kept
+    filtered = small_top
+    if HAS_ENTROPY:
+        filtered = filtered | (tl.load(entropy_ptr + row) > entropy_bound)
+
+    path = tl.full((), 2, tl.int32)  # SUPPORT
+    count = tl.full((), -1, tl.int32)
+    if kept & finite & ~top1 & ~filtered:
+        lse_lo = lse - d
+        counts = tl.zeros((NUM_BINS,), tl.int32)
+        for start in range(0, v_local, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            b = _bins(logits_ptr, allowed_ptr, threshold, row, request, cols, v_local, vocab_start,
+                      stride_logits, stride_allowed, inv_t, lse_lo,
+                      HAS_THRESHOLD, HAS_ALLOWED, SOFTCAP, NUM_BINS)
+            counts += tl.histogram(b, NUM_BINS)
+        js = tl.arange(0, NUM_BINS)
+        t = counts.to(tl.int64) * tl.load(weights_ptr + js)
+        suffix = tl.sum(t, axis=0) - tl.cumsum(t, axis=0) + t  # sum_{j' >= j}: exact integers
+        cut = tl.min(tl.where(suffix <= budget, js, NUM_BINS), axis=0)
+        size = tl.sum(tl.where(js < cut, counts, 0), axis=0)
+        count = size.to(tl.int32)
+        path = tl.where(size <= K, 2, 4).to(tl.int32)
+        if size <= K:
+            written = tl.zeros((), tl.int32)
+            for start in range(0, v_local, BLOCK_V):
+                cols = start + tl.arange(0, BLOCK_V)
+                b = _bins(logits_ptr, allowed_ptr, threshold, row, request, cols, v_local,
+                          vocab_start, stride_logits, stride_allowed, inv_t, lse_lo,
+                          HAS_THRESHOLD, HAS_ALLOWED, SOFTCAP, NUM_BINS)
+                sel = (b < cut).to(tl.int32)
+                pos = written + tl.cumsum(sel, axis=0) - 1
+                tl.store(ids_ptr + row * K + pos, cols.to(tl.int32), mask=sel != 0)
+                written += tl.sum(sel, axis=0)
+    path = tl.where(filtered, 3, path)
+    count = tl.where(filtered, -1, count)
+    path = tl.where(top1, 1, path)
+    count = tl.where(top1, 1, count)
+    path = tl.where(finite, path, 1)  # nothing kept in the row: an empty S, zero as on the dense path
+    count = tl.where(finite, count, 0)
+    path = tl.where(kept, path, 0)
+    count = tl.where(kept, count, -1)
+    tl.store(path_ptr + row, path.to(tl.int8))
+    tl.store(count_ptr + row, count)
+    tl.store(ids_ptr + row * K, a_loc.to(tl.int32), mask=top1)
+
+
+def support_rows(
+    logits: torch.Tensor,
+    row_request: torch.Tensor,
+    temperature: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    tail_eps: float,
+    bin_weights: torch.Tensor,
+    budget: int,
+    v_local: int | None = None,
+    vocab_start: int = 0,
+    max_support: int = 64,
+    keep: torch.Tensor | None = None,
+    threshold: torch.Tensor | None = None,
+    allowed: torch.Tensor | None = None,
+    softcap: float | None = None,
+    argmax: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    entropy_bound: float = float("inf"),
+    block_v: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton twin of ``dgemma_sampler.support.support_rows``: returns (path [N] int8,
+    count [N] int32, ids [N, K] int32 -1 padded). ``bin_weights`` [NUM_BINS] int64 and
+    ``budget`` (eps in 2^-56 units) come from ``dgemma_sampler.support``."""
+    n_rows, vocab = logits.shape
+    dev = logits.device
+    v_local = vocab - vocab_start if v_local is None else v_local
+    assert logits.dim() == 2 and logits.stride(1) == 1, "logits must be [N, V], contiguous in V"
+    assert logits.dtype in (torch.float32, torch.bfloat16, torch.float16), logits.dtype
+    assert 0 <= vocab_start and vocab_start + v_local <= vocab, "slice outside the logits"
+    assert lse.shape == (n_rows,) and lse.dtype == torch.float32, "lse must be [N] fp32"
+    assert row_request.shape == (n_rows,), "row_request must be [N]"
+    assert bin_weights.dim() == 1 and bin_weights.dtype == torch.int64, "bin_weights: [B] int64"
+    num_bins = bin_weights.numel()
+    assert num_bins & (num_bins - 1) == 0, "the number of bins must be a power of two"
+    assert 0 < budget < 2**62, f"budget must be a positive int64, got {budget}"
+    for name, t, dt in (("keep", keep, torch.bool), ("threshold", threshold, torch.float32),
+                        ("argmax", argmax, torch.int64), ("entropy", entropy, torch.float32)):
+        if t is not None:
+            assert t.shape == (n_rows,) and t.dtype == dt, f"{name} must be [N] {dt}"
+    if allowed is not None:
+        assert allowed.dim() == 2 and allowed.dtype == torch.bool and allowed.shape[1] == vocab
+    k = max_support
+    path = torch.empty(n_rows, dtype=torch.int8, device=dev)
+    count = torch.empty(n_rows, dtype=torch.int32, device=dev)
+    ids = torch.full((n_rows, k), -1, dtype=torch.int32, device=dev)
+    if n_rows == 0:
+        return path, count, ids
+    # 1 / max(T, 1e-10) in fp32, as reference.inverse_temperature computes it
+    inv_t = temperature.to(torch.float32).clamp(min=1e-10).reciprocal()
+    interpret = interpreting()
+    if block_v is None:
+        block_v = 256 if interpret else 2048
+    placeholder = lse
+    support_kernel[(n_rows,)](
+        logits, row_request, temperature, inv_t, lse,
+        placeholder if threshold is None else threshold,
+        placeholder if allowed is None else allowed.view(torch.uint8),
+        placeholder if keep is None else keep.view(torch.uint8),
+        placeholder if argmax is None else argmax,
+        placeholder if entropy is None else entropy,
+        bin_weights, path, count, ids,
+        v_local, vocab_start, logits.stride(0), 0 if allowed is None else allowed.stride(0),
+        float(tail_eps), int(budget), float(entropy_bound), (1.0 - tail_eps) / k,
+        HAS_KEEP=keep is not None, HAS_THRESHOLD=threshold is not None,
+        HAS_ALLOWED=allowed is not None, HAS_ARGMAX=argmax is not None,
+        HAS_ENTROPY=entropy is not None, SOFTCAP=0.0 if softcap is None else float(softcap),
+        K=k, NUM_BINS=num_bins, BLOCK_V=block_v, num_warps=8 if block_v >= 2048 else 4,
+    )
+    return path, count, ids

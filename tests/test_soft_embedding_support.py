@@ -1,0 +1,505 @@
+"""The tail-tolerant soft embedding: the bound, the tiers, kernels against the oracle.
+
+CPU: ``TRITON_INTERPRET=1 pytest -q tests/test_soft_embedding_support.py`` (small awkward
+shapes); GPU (``-m gpu``): the production vocabulary. The float64 reference is written here
+from the spec: ``z`` in fp32 as ``reference.py`` defines it, then ``softmax(z) @ E`` in float64.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+
+import pytest
+import torch
+
+import dgemma_sampler as ds
+from dgemma_sampler import reference
+from dgemma_sampler import support as sp
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+HAS_TRITON = INTERPRET or torch.cuda.is_available()
+DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+EPS = 2.0**-10
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs TRITON_INTERPRET=1 or CUDA")
+
+
+def peaked_logits(r, w, v, *, device=DEVICE, dtype=torch.float32, seed=0):
+    """Rows from broad (Gaussian) to peaked (one token 1 - 10^-k of the mass, Zipf tail)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(r, w, v, generator=g) * 1.5
+    zipf = -torch.log(torch.arange(1, v + 1, dtype=torch.float32))
+    for i in range(w):
+        kind = i % 8
+        if kind == 0:
+            continue  # broad
+        perm = torch.randperm(v, generator=g)
+        tail = zipf[perm] + 0.1 * torch.randn(v, generator=g)
+        top = int(perm[0])
+        # head mass 1 - 10^-k against the tail's softmax: head = log((1 - d)/d) + lse(tail)
+        k = min(kind, 6)
+        d = 10.0 ** -k
+        head = math.log((1 - d) / d) + float(torch.logsumexp(tail, 0))
+        tail[top] = head
+        x[:, i] = tail
+    return x.to(dtype).to(device)
+
+
+def exact_soft(x, temperature, embed, normalizer, *, softcap=None, threshold=None, allowed=None,
+               vocab_start=0):
+    """float64 ``normalizer * softmax(z) @ E`` of the columns E covers; z as reference.py."""
+    r, w, v = x.shape
+    xf = reference.softcapped(x.reshape(r * w, v).cpu(), softcap)
+    inv_t = reference.inverse_temperature(temperature.cpu()).repeat_interleave(w)
+    z = torch.clamp(xf * inv_t[:, None], max=reference.FLT_MAX)
+    masked = torch.isnan(xf) | (xf == -math.inf)
+    if threshold is not None:
+        masked |= xf < threshold.reshape(-1, 1).cpu()
+    if allowed is not None:
+        masked |= ~allowed.cpu().repeat_interleave(w, 0)
+    z = torch.where(masked, -math.inf, z).double()
+    p = torch.softmax(z, dim=-1).nan_to_num(0.0)
+    e = embed.cpu().double()
+    p = p[:, vocab_start:vocab_start + e.shape[0]]
+    return (normalizer * p @ e).view(r, w, -1)
+
+
+def stats_of(x, temperature, **kw):
+    r = x.shape[0]
+    seeds = torch.arange(r, device=x.device)
+    draws = torch.zeros(r, dtype=torch.int64, device=x.device)
+    return ds.row_stats(x, temperature, seeds, draws, backend="torch", **kw)
+
+
+# -- the bound -------------------------------------------------------------------------------
+
+def test_entropy_skip_is_the_maximum_entropy_of_a_small_support():
+    k, v = 5, 1000
+    h = sp.entropy_skip(EPS, k, v)
+    # the extremal distribution: uniform 1 - eps over K tokens, uniform eps over the rest
+    f64 = torch.float64
+    p = torch.cat([torch.full((k,), (1 - EPS) / k, dtype=f64), torch.full((v - k,), EPS / (v - k), dtype=f64)])
+    assert abs(float(-(p * p.log()).sum()) - h) < 1e-12
+    g = torch.Generator().manual_seed(1)
+    for _ in range(200):
+        kk = int(torch.randint(1, k + 1, (1,), generator=g))
+        head = torch.rand(kk, generator=g, dtype=torch.float64)
+        tail = torch.rand(v - kk, generator=g, dtype=torch.float64) ** 8
+        m = float(torch.rand((), generator=g)) * EPS
+        q = torch.cat([head / head.sum() * (1 - m), tail / tail.sum() * m])
+        assert float(-(q * q.log()).sum()) <= h + 1e-12
+    assert sp.entropy_skip(0.0, k, v) == math.inf
+    assert sp.entropy_skip(0.5, 600, 1000) == math.inf  # K / V >= 1 - eps: no bound
+    assert sp.entropy_skip_f32(EPS, k, v) >= h
+
+
+def test_bin_weights_round_up_exactly():
+    w = sp.default_bin_weights()
+    assert w[-1] == 0 and w.numel() == sp.NUM_BINS
+    for j in range(sp.NUM_BINS - 1):
+        wj = int(w[j])
+        e = 4 * sp.FIXED_BITS - j
+        if e >= 0:
+            assert wj**4 >= 2**e and (wj - 1) ** 4 < 2**e
+        else:
+            assert wj == 1
+    assert sp.tail_budget(EPS) == 2**46
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_oracle_support_mass_against_float64(softcap):
+    x = peaked_logits(2, 16, 700, device="cpu")
+    x[:, 0] *= 0.02  # flat rows: top probability below (1 - eps) / K
+    t = torch.tensor([0.6, 0.4])
+    st = stats_of(x, t, softcap=softcap)
+    flat = x.reshape(-1, 700)
+    req = torch.arange(2).repeat_interleave(16)
+    s = sp.support_rows(flat, req, t, st.lse.reshape(-1), tail_eps=EPS, softcap=softcap,
+                        argmax=st.argmax.reshape(-1))
+    z = torch.clamp(reference.softcapped(flat, softcap) * reference.inverse_temperature(t)[req, None],
+                    max=reference.FLT_MAX).double()
+    p = torch.softmax(z, -1)
+    sparse = s.sparse()
+    assert int(sparse.sum()) >= 20  # the peaked rows
+    for n in torch.nonzero(sparse).flatten().tolist():
+        c = int(s.count[n])
+        ids = s.ids[n, :c].long()
+        assert (s.ids[n, c:] == -1).all() and bool((ids[1:] > ids[:-1]).all())
+        assert 1 - float(p[n, ids].sum()) <= EPS
+        # minimal within the bins' factor: the set of tolerance eps / 2^(1/4) is no smaller
+        order = p[n].sort(descending=True)
+        need = int((order.values.cumsum(0) < 1 - EPS / 2**0.25).sum()) + 1
+        assert c <= need
+    # the dense rows really need more than K tokens (the filtered ones for the whole eps)
+    for n in torch.nonzero(s.path == sp.PATH_SUPPORT_DENSE).flatten().tolist():
+        assert float(p[n].sort(descending=True).values[:sp.MAX_SUPPORT].sum()) < 1 - EPS / 2**0.25
+    filtered = torch.nonzero(s.path == sp.PATH_STATS_DENSE).flatten().tolist()
+    assert filtered  # the broad rows, by their top probability
+    for n in filtered:
+        assert float(p[n].sort(descending=True).values[:sp.MAX_SUPPORT].sum()) < 1 - EPS
+
+
+def test_tiers_and_special_rows():
+    v = 500
+    x = peaked_logits(1, 8, v, device="cpu")
+    x[0, 0] = torch.randn(v) * 0.1  # broad: entropy near log V
+    x[0, 2, 17] = float("nan")  # a NaN entry: masked, as on the dense path
+    x[0, 3] = -math.inf  # nothing kept: lse -inf, an empty support (zero)
+    t = torch.tensor([0.5])
+    st = stats_of(x, t)
+    flat = x.reshape(-1, v)
+    req = torch.zeros(8, dtype=torch.int64)
+    keep = torch.ones(8, dtype=torch.bool)
+    keep[7] = False
+    h = sp.entropy_skip_f32(EPS, sp.MAX_SUPPORT, v)
+    s = sp.support_rows(flat, req, t, st.lse.reshape(-1), tail_eps=EPS, keep=keep,
+                        argmax=st.argmax.reshape(-1), entropy=st.entropy.reshape(-1),
+                        entropy_bound=h)
+    assert s.path[0] == sp.PATH_STATS_DENSE  # broad
+    assert s.path[6] == sp.PATH_TOP1 and s.ids[6, 0] == st.argmax[0, 6]  # 1 - 1e-6 on one token
+    assert s.path[2] == sp.PATH_TOP1  # its NaN entry is masked, the row stays peaked
+    assert s.path[3] == sp.PATH_TOP1 and s.count[3] == 0
+    assert s.path[7] == sp.PATH_NOT_KEPT
+    assert s.path_rows().sum() == 8
+
+
+def test_greedy_rows_take_the_tied_maxima():
+    v = 300
+    x = torch.randn(1, 3, v)
+    x[0, 0, [5, 9, 200]] = 8.0  # three tied maxima
+    x[0, 1, 42] = 8.0
+    t = torch.tensor([0.0])
+    st = stats_of(x, t)
+    e = torch.randn(v, 24)
+    s = sp.support_rows(x.reshape(-1, v), torch.zeros(3, dtype=torch.int64), t,
+                        st.lse.reshape(-1), tail_eps=EPS, argmax=st.argmax.reshape(-1))
+    assert s.path[0] == sp.PATH_SUPPORT and s.ids[0, :3].tolist() == [5, 9, 200]
+    assert s.count[1] == 1 and s.ids[1, 0] == 42
+    got = ds.soft_embedding(x, t, st.lse, e, 2.0, backend="torch", tail_eps=EPS,
+                            argmax=st.argmax, entropy=st.entropy)
+    dense = ds.soft_embedding(x, t, st.lse, e, 2.0, backend="torch")
+    torch.testing.assert_close(got, dense, rtol=1e-6, atol=1e-6)
+
+
+# -- the soft embedding: bound, masks, eps = 0 -------------------------------------------------
+
+def check_bound(got, want, embed, normalizer, dense_rows, dense_tol):
+    """Sparse rows within eps * normalizer * max|E| of float64 (plus fp32 rounding of p);
+    dense rows within the dense path's own tolerance."""
+    scale = normalizer * float(embed.float().abs().max())
+    err = (got.double().cpu() - want).abs().amax(-1)
+    sparse_err = err[~dense_rows]
+    assert float(sparse_err.max()) <= (EPS + 2.0**-16) * scale
+    if dense_rows.any():
+        assert float(err[dense_rows].max()) <= dense_tol * scale
+
+
+BACKENDS = ["torch"] + (["triton"] if HAS_TRITON else [])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", ["plain", "softcap", "threshold", "allowed", "bf16", "keep"])
+def test_soft_embedding_within_the_bound(backend, case):
+    r, w, v, h = 2, 11, 900, 36
+    dtype = torch.bfloat16 if case == "bf16" else torch.float32
+    x = peaked_logits(r, w, v, dtype=dtype, seed=3)
+    t = torch.tensor([0.7, 0.45], device=DEVICE)
+    kw = {}
+    if case == "softcap":
+        kw["softcap"] = 30.0
+    if case == "allowed":
+        kw["allowed"] = torch.rand(r, v, device=DEVICE) < 0.8
+        x[:, :, :] = x.float().where(kw["allowed"][:, None, :], x.float() - 3.0).to(dtype)
+    stats_kw = dict(kw)
+    if case == "threshold":
+        stats_kw["top_k"] = torch.tensor([50, 0], device=DEVICE)
+        stats_kw["top_p"] = torch.tensor([1.0, 0.9], device=DEVICE)
+    st = stats_of(x, t, **stats_kw)
+    if case == "threshold":
+        kw["threshold"] = st.threshold
+    keep = None
+    if case == "keep":
+        keep = torch.rand(r, w, device=DEVICE) < 0.6
+    e = (torch.randn(v, h, device=DEVICE) * 0.05).to(torch.bfloat16)
+    got = ds.soft_embedding(x, t, st.lse, e, 4.0, keep=keep, backend=backend, tail_eps=EPS,
+                            argmax=st.argmax, entropy=st.entropy, **kw)
+    want = exact_soft(x, t, e, 4.0, softcap=kw.get("softcap"), threshold=kw.get("threshold"),
+                      allowed=kw.get("allowed"))
+    if keep is not None:
+        want = torch.where(keep.cpu()[..., None], want, 0.0)
+    fns = sp.backend_functions("torch")
+    flat = x.reshape(r * w, v)
+    req = torch.arange(r, device=DEVICE).repeat_interleave(w)
+    _, s = sp.soft_embedding_tail(*fns, flat, req, t, st.lse.reshape(-1), e, 4.0, tail_eps=EPS,
+                                  keep=None if keep is None else keep.reshape(-1),
+                                  threshold=None if "threshold" not in kw else st.threshold.reshape(-1),
+                                  allowed=kw.get("allowed"), softcap=kw.get("softcap"),
+                                  argmax=st.argmax.reshape(-1), entropy=st.entropy.reshape(-1))
+    assert int(s.sparse().sum()) > 0
+    dense_tol = 2.0**-8 if backend == "triton" else 1e-5  # bf16 probabilities on the kernel
+    check_bound(got.reshape(r * w, h), want.reshape(r * w, h), e, 4.0, s.dense().cpu(), dense_tol)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_eps_zero_is_the_dense_result(backend):
+    x = peaked_logits(1, 6, 400)
+    t = torch.tensor([0.5], device=DEVICE)
+    st = stats_of(x, t)
+    e = torch.randn(400, 20, device=DEVICE).to(torch.bfloat16)
+    a = ds.soft_embedding(x, t, st.lse, e, 1.5, backend=backend, tail_eps=0.0, argmax=st.argmax)
+    b = ds.soft_embedding(x, t, st.lse, e, 1.5, backend=backend)
+    assert torch.equal(a, b)
+
+
+def test_rejects_bad_tail_eps():
+    x = peaked_logits(1, 2, 100, device="cpu")
+    t = torch.tensor([0.5])
+    st = stats_of(x, t)
+    e = torch.randn(100, 8)
+    for bad in (-1e-3, 0.5, 1e-12, float("nan")):
+        with pytest.raises(ValueError, match="tail_eps"):
+            ds.soft_embedding(x, t, st.lse, e, 1.0, backend="torch", tail_eps=bad)
+    with pytest.raises(ValueError, match="tail_eps"):
+        ds.SamplerConfig(tail_eps=0.3)
+    assert ds.SamplerConfig().tail_eps == EPS and ds.SamplerConfig(tail_eps=0).tail_eps == 0
+
+
+def test_vocabulary_slices_keep_the_global_bound():
+    """Ranks sum their slices' shares, each with eps / world: the sum stays within eps."""
+    r, w, v, h = 1, 12, 1024, 16
+    x = peaked_logits(r, w, v, device="cpu", seed=5)
+    t = torch.tensor([0.6])
+    st = stats_of(x, t)
+    e = torch.randn(v, h) * 0.1
+    bounds = [0, 300, 301, 700, 1024]  # uneven, one single-token slice
+    world = len(bounds) - 1
+    total = torch.zeros(r, w, h)
+    for a, b in itertools.pairwise(bounds):
+        total += ds.soft_embedding(x[..., a:b].contiguous(), t, st.lse, e[a:b].contiguous(), 2.0,
+                                   backend="torch", tail_eps=EPS / world)
+    want = exact_soft(x, t, e, 2.0)
+    err = (total.double() - want).abs().amax()
+    assert float(err) <= (EPS + 2.0**-16) * 2.0 * float(e.abs().max())
+
+
+def test_sharded_soft_embedding_takes_the_tolerance():
+    """Without a process group (world 1) the sharded call is the single-GPU one."""
+    from dgemma_sampler import tensor_parallel as tp
+
+    x = peaked_logits(1, 6, 256, device="cpu", seed=9)
+    t = torch.tensor([0.5])
+    st = stats_of(x, t)
+    e = torch.randn(256, 12)
+    a = tp.soft_embedding_sharded(x, t, st.lse, e, 2.0, backend="torch", tail_eps=EPS)
+    b = ds.soft_embedding(x, t, st.lse, e, 2.0, backend="torch", tail_eps=EPS)
+    assert torch.equal(a, b)
+
+
+# -- kernels against the oracle ---------------------------------------------------------------
+
+@needs_triton
+@pytest.mark.parametrize("case", ["plain", "softcap_bf16", "threshold_allowed", "slice", "greedy"])
+def test_support_kernel_matches_oracle(case):
+    from dgemma_sampler.kernels.soft_embedding_support import support_rows as kernel_support
+
+    r, w, v = 2, 9, 1100
+    dtype = torch.bfloat16 if case == "softcap_bf16" else torch.float32
+    x = peaked_logits(r, w, v, dtype=dtype, seed=7)
+    x[0, 4, 3] = float("nan")
+    x[1, 5, 10] = float("inf")
+    t = torch.tensor([0.0 if case == "greedy" else 0.65, 0.4], device=DEVICE)
+    softcap = 30.0 if case == "softcap_bf16" else None
+    kw = dict(softcap=softcap)
+    stats_kw = dict(softcap=softcap)
+    if case == "threshold_allowed":
+        stats_kw["top_p"] = torch.tensor([0.95, 1.0], device=DEVICE)
+        stats_kw["allowed"] = kw["allowed"] = torch.rand(r, v, device=DEVICE) < 0.9
+    st = stats_of(x, t, **stats_kw)
+    if case == "threshold_allowed":
+        kw["threshold"] = st.threshold.reshape(-1)
+    vocab_start, v_local = (256, 600) if case == "slice" else (0, v)
+    flat = x.reshape(r * w, v)
+    req = torch.arange(r, device=DEVICE).repeat_interleave(w)
+    keep = torch.ones(r * w, dtype=torch.bool, device=DEVICE)
+    keep[3] = False
+    h = sp.entropy_skip_f32(EPS, sp.MAX_SUPPORT, v)
+    args = (flat, req, t, st.lse.reshape(-1))
+    common = dict(tail_eps=EPS, bin_weights=sp.weights_on(flat.device),
+                  budget=sp.tail_budget(EPS), vocab_start=vocab_start, v_local=v_local,
+                  keep=keep, argmax=st.argmax.reshape(-1), entropy=st.entropy.reshape(-1),
+                  entropy_bound=h, **kw)
+    want = sp.support_rows(*args, **common)
+    path, count, ids = kernel_support(*args, **common)
+    assert torch.equal(path.cpu(), want.path.cpu())
+    assert torch.equal(count.cpu(), want.count.cpu())
+    assert torch.equal(ids.cpu(), want.ids.cpu())
+    assert set(path.tolist()) >= {sp.PATH_NOT_KEPT, sp.PATH_SUPPORT}
+
+
+@needs_triton
+def test_gather_kernel_matches_oracle_and_is_batch_independent():
+    from dgemma_sampler.kernels.soft_embedding_gather import gather_rows as kernel_gather
+
+    r, w, v, h = 2, 10, 800, 70
+    x = peaked_logits(r, w, v, seed=11)
+    t = torch.tensor([0.55, 0.8], device=DEVICE)
+    st = stats_of(x, t)
+    flat = x.reshape(r * w, v)
+    req = torch.arange(r, device=DEVICE).repeat_interleave(w)
+    s = sp.support_rows(flat, req, t, st.lse.reshape(-1), tail_eps=EPS,
+                        argmax=st.argmax.reshape(-1))
+    e = torch.randn(v, h, device=DEVICE).to(torch.bfloat16)
+    out = torch.full((r * w, h), float("nan"), device=DEVICE)
+    want = sp.gather_rows(flat, req, t, st.lse.reshape(-1), e, 3.0, s.path, s.count, s.ids,
+                          out=out.clone())
+    got = kernel_gather(flat, req, t, st.lse.reshape(-1), e, 3.0, s.path, s.count, s.ids,
+                        out=out.clone())
+    sparse = s.sparse()
+    if INTERPRET:  # the same fp32 operations in the same order
+        assert torch.equal(got[sparse], want[sparse])
+    else:  # the kernel fuses p * e + acc into one FMA
+        torch.testing.assert_close(got[sparse], want[sparse], rtol=1e-5, atol=1e-6)
+    assert torch.isnan(got[~sparse]).all()  # other rows left alone
+    # one row alone, through a slot index and another H tiling: the same bits
+    n = int(torch.nonzero(sparse & (s.count > 1)).flatten()[0])
+    alone = torch.zeros(3, h, device=DEVICE)
+    kernel_gather(flat[n:n + 1], req[n:n + 1], t, st.lse.reshape(-1)[n:n + 1], e, 3.0,
+                  s.path[n:n + 1], s.count[n:n + 1], s.ids[n:n + 1], out=alone,
+                  out_index=torch.tensor([2], device=DEVICE), block_h=32)
+    assert torch.equal(alone[2], got[n])
+
+
+@needs_triton
+@pytest.mark.parametrize("with_index", [False, True])
+def test_dense_rows_split_by_tiles_add_up(with_index):
+    """Mostly-dense tiles on one call, scattered rows compacted on another, added: the plain
+    dense result (``tile_rows`` forced, so the interpreter runs the Triton kernel twice)."""
+    from dgemma_sampler.kernels.soft_embedding import soft_embedding_rows
+
+    n, v, h = 37, 300, 40
+    x = torch.randn(n, v, device=DEVICE) * 2
+    req = torch.zeros(n, dtype=torch.int64, device=DEVICE)
+    t = torch.tensor([0.7], device=DEVICE)
+    lse = torch.logsumexp(x / 0.7, dim=1)
+    e = torch.randn(v, h, device=DEVICE).to(torch.bfloat16)
+    keep = torch.rand(n, device=DEVICE) < 0.5
+    keep[:8] = True  # one whole tile of 8
+    out_index = torch.randperm(n + 3, device=DEVICE)[:n] if with_index else None
+    size = n + 3 if with_index else n
+    want = torch.full((size, h), 7.0, device=DEVICE)
+    soft_embedding_rows(x, req, t, lse, e, 2.0, keep=keep, out=want, out_index=out_index)
+    got = torch.full((size, h), 7.0, device=DEVICE)
+    sp.dense_by_tiles(soft_embedding_rows, x, req, t, lse, e, 2.0, keep=keep, out=got,
+                      out_index=out_index, tile_rows=8)
+    # on the GPU the split runs the Hopper and the Triton kernel: other summation orders
+    tol = 1e-5 if INTERPRET else 2e-3
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_production_vocabulary(dtype):
+    """V = 262144, H = 2816: kernels against the oracle (S bit for bit), the bound against float64."""
+    r, w, v, h = 2, 64, 262144, 2816
+    x = peaked_logits(r, w, v, dtype=dtype, device="cpu", seed=13).cuda()
+    t = torch.tensor([0.6, 0.4], device="cuda")
+    st = ds.row_stats(x, t, torch.arange(r, device="cuda"),
+                      torch.zeros(r, dtype=torch.int64, device="cuda"))
+    e = (torch.randn(v, h, device="cuda") * 0.03).to(torch.bfloat16)
+    flat = x.reshape(r * w, v)
+    req = torch.arange(r, device="cuda").repeat_interleave(w)
+    _, s_k = sp.soft_embedding_tail(*sp.backend_functions("triton"), flat, req, t,
+                                    st.lse.reshape(-1), e, 5.0, tail_eps=EPS,
+                                    argmax=st.argmax.reshape(-1), entropy=st.entropy.reshape(-1))
+    s_o = sp.support_rows(flat, req, t, st.lse.reshape(-1), tail_eps=EPS,
+                          argmax=st.argmax.reshape(-1), entropy=st.entropy.reshape(-1),
+                          entropy_bound=sp.entropy_skip_f32(EPS, sp.MAX_SUPPORT, v))
+    assert (s_k.path == s_o.path).float().mean() > 0.99  # fp32 ulps may move a boundary row
+    same = s_k.path == s_o.path
+    assert torch.equal(s_k.ids[same], s_o.ids[same])
+    got = ds.soft_embedding(x, t, st.lse, e, 5.0, tail_eps=EPS, argmax=st.argmax,
+                            entropy=st.entropy)
+    rows = torch.nonzero(s_k.sparse()).flatten()[:32]
+    assert rows.numel() >= 16
+    # float64 on the device for those rows (E in float64 on the CPU would take minutes)
+    inv_t = reference.inverse_temperature(t)[req[rows]]
+    z = torch.clamp(flat[rows].float() * inv_t[:, None], max=reference.FLT_MAX).double()
+    want = 5.0 * torch.softmax(z, dim=-1) @ e.double()
+    err = (got.reshape(r * w, h)[rows].double() - want).abs().max()
+    assert float(err) <= (EPS + 2.0**-16) * 5.0 * float(e.float().abs().max())
+
+
+# -- the decode step ------------------------------------------------------------------------------
+
+def _sampler(backend, device, n, canvas, vocab, hidden, embed, budget_bytes=None, **cfg_kw):
+    cfg = ds.SamplerConfig(canvas_length=canvas, max_denoising_steps=1000, confidence_threshold=0.0,
+                           **cfg_kw)
+    state = ds.DiffusionState(n + 1, cfg, vocab, hidden, device)
+    for j in range(n):
+        state.add_request(j + 1, seed=100 + j)
+    sampler = ds.DiffusionSampler(cfg, state, embed, 3.0, backend=backend, budget_bytes=budget_bytes)
+    sampler.prefill(list(range(1, n + 1)))
+    return sampler
+
+
+def test_step_reports_paths_and_keeps_the_bound():
+    """Both backends: the step's soft embedding is within the bound of the dense one (eps = 0),
+    and ``sc_path_rows`` counts every row of the step once."""
+    n, canvas, vocab, hidden = 2, 8, 600, 24
+    embed = (torch.randn(vocab, hidden) * 0.1).to(torch.bfloat16)
+    x = peaked_logits(n, canvas, vocab, device="cpu", seed=21).reshape(n * canvas, vocab)
+    backends = ["torch"] + (["triton"] if INTERPRET else [])
+    ref_rows = None
+    for backend in backends:
+        tail = _sampler(backend, "cpu", n, canvas, vocab, hidden, embed)
+        dense = _sampler("torch", "cpu", n, canvas, vocab, hidden, embed, tail_eps=0.0)
+        out = tail.step(x, [1, 2])
+        ref = dense.step(x, [1, 2])
+        assert ref.sc_path_rows is None
+        rows = out.sc_path_rows
+        ref_rows = rows if ref_rows is None else ref_rows
+        assert rows.shape == (sp.NUM_PATHS,) and int(rows.sum()) == n * canvas
+        assert int(rows[sp.PATH_TOP1] + rows[sp.PATH_SUPPORT]) > 0
+        a = tail.state.self_conditioning_embeds
+        b = dense.state.self_conditioning_embeds
+        scale = 3.0 * float(embed.float().abs().max())
+        tol = (EPS + 2.0**-8) if backend == "triton" else (EPS + 2.0**-16)
+        assert float((a - b).abs().max()) <= tol * scale
+        assert torch.equal(out.sampled, ref.sampled)
+    # hidden-state input, one request per tile (logits = x @ I): the tiles' counts add up
+    tiled = _sampler("torch", "cpu", n, canvas, vocab, hidden, embed, budget_bytes=1)
+    out = tiled.step(None, [1, 2], hidden_states=x, output_weight=torch.eye(vocab))
+    assert tiled.last_tile_requests == 1
+    assert torch.equal(out.sc_path_rows, ref_rows)
+
+
+@pytest.mark.gpu
+def test_gpu_step_with_support_is_graph_captured():
+    device, n, canvas, vocab, hidden = "cuda", 3, 64, 32768, 256
+    embed = (torch.randn(vocab, hidden, device=device) * 0.05).to(torch.bfloat16)
+    eager = _sampler("triton", device, n, canvas, vocab, hidden, embed)
+    graphed = _sampler("triton", device, n, canvas, vocab, hidden, embed)
+    slots = list(range(1, n + 1))
+    logits = torch.empty(n * canvas, vocab, device=device)
+    source = [peaked_logits(n, canvas, vocab, device=device, seed=s).reshape(n * canvas, vocab)
+              for s in range(5)]
+    run = graphed.graphable(slots)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        logits.copy_(source[0])
+        run(logits)
+        eager.step(logits, slots)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run(logits)
+    for s in range(1, 5):
+        logits.copy_(source[s])
+        graph.replay()
+        ref = eager.step(logits, slots)
+        torch.cuda.synchronize()
+        assert torch.equal(captured.sc_path_rows, ref.sc_path_rows)
+        assert int(ref.sc_path_rows[sp.PATH_TOP1] + ref.sc_path_rows[sp.PATH_SUPPORT]) > 0
+        assert torch.equal(graphed.state.self_conditioning_embeds, eager.state.self_conditioning_embeds)
