@@ -224,6 +224,8 @@ def test_registration_imports_no_model_code_until_the_model_loads():
         from vllm.model_executor.models import diffusion_gemma
         assert cls is diffusion_gemma.DiffusionGemmaForConditionalGeneration, cls
         assert plugin.active(), diffusion_gemma.DiffusionSampler
+        import torch
+        assert not torch.cuda.is_initialized()  # the process may still fork its workers
         print("added", len(added))
     """)
     env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", TRITON_INTERPRET="1",

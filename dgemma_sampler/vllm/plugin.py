@@ -121,19 +121,47 @@ def active() -> bool:
 
 
 def kernels_for_device(device: Any = None) -> str:
-    """The kernels a decode step runs on ``device`` (default: this process's current one), as
+    """The kernels a decode step runs on ``device`` (default: this process's), as
     ``ops.resolve_backend`` and the soft-embedding dispatch choose them."""
     import torch
 
-    from ..ops import cuda_capability, resolve_backend
+    from ..ops import cuda_capability
 
     if device is None:
-        device = (torch.device("cuda", torch.cuda.current_device())
-                  if torch.cuda.is_available() else torch.device("cpu"))
+        return _kernels_line(*_process_device())
     device = torch.device(device)
+    return _kernels_line(device, cuda_capability(device) if device.type == "cuda" else None)
+
+
+def _process_device() -> tuple[Any, tuple[int, int] | None]:
+    """This process's device and compute capability, without initialising CUDA where vLLM has
+    not: a process that imports the model before it starts its workers (the API server builds
+    the multimodal processor from the model class) must stay safe to fork. vLLM's platform
+    reads the capability through NVML."""
+    import torch
+
+    from ..ops import cuda_capability
+
+    if torch.cuda.is_initialized():
+        device = torch.device("cuda", torch.cuda.current_device())
+        return device, cuda_capability(device)
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda_alike():
+        return torch.device("cpu"), None
+    capability = current_platform.get_device_capability()
+    return torch.device("cuda"), None if capability is None else (capability.major,
+                                                                 capability.minor)
+
+
+def _kernels_line(device: Any, capability: tuple[int, int] | None) -> str:
+    from ..ops import resolve_backend
+
     if resolve_backend("auto", device) != "triton":
         return f"{device}: PyTorch reference (no CUDA device)"
-    major, minor = cuda_capability(device)
+    if capability is None:
+        return f"{device}: Triton row statistics + Triton soft-embedding GEMM"
+    major, minor = capability
     gemm = "Triton soft-embedding GEMM"
     if major == 9 and envs.soft_embedding_wgmma():
         from ..kernels.soft_embedding import _wgmma_module
