@@ -17,6 +17,7 @@ line through vLLM's own logger (a stdlib logger outside the ``vllm`` tree is not
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any
 
 from .. import __version__, envs
@@ -100,7 +101,7 @@ def install_sampler(model_module: Any) -> bool:
     except Exception as exc:  # noqa: BLE001 - any failure must leave vLLM as it was
         _logger().warning_once(
             "dgemma-sampler: cannot load the fused sampler (%s); vLLM's own DiffusionGemma "
-            "sampler stays", exc, scope="process",
+            "sampler stays and ignores SamplingParams.seed", str(exc), scope="process",
         )
         return False
     model_module.DiffusionSampler = fused
@@ -113,8 +114,6 @@ def install_sampler(model_module: Any) -> bool:
 
 def active() -> bool:
     """Whether vLLM's DiffusionGemma module, if loaded, builds our sampler."""
-    import sys
-
     model_module = sys.modules.get("vllm.model_executor.models.diffusion_gemma")
     sampler = getattr(model_module, "DiffusionSampler", None)
     return sampler is not None and sampler.__module__.startswith(__package__ + ".")
