@@ -39,10 +39,13 @@ V, CL, H = 64, 8, 16
 def fused_sampler_class() -> type:
     """The adapter for the installed release (``v0_33`` / ``v0_34``); before those modules
     existed, 0.33's adapter was ``dgemma_sampler.vllm.sampler``."""
+    name = plugin.adapter_name(plugin.vllm_version())
     try:
         return plugin.load_adapter().FusedDiffusionSampler
-    except ModuleNotFoundError:
-        if plugin.adapter_name(plugin.vllm_version()) == "v0_33":
+    except ModuleNotFoundError as exc:
+        if exc.name != f"dgemma_sampler.vllm.{name}":
+            raise  # the adapter exists but cannot be imported: a failure, not a skip
+        if name == "v0_33":
             from dgemma_sampler.vllm.sampler import FusedDiffusionSampler
 
             return FusedDiffusionSampler
