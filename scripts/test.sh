@@ -2,8 +2,10 @@
 # The test suite. On a CPU-only machine the Triton kernels run through the interpreter;
 # GPU tests are skipped without CUDA.
 #
-# With DGEMMA_TEST_VLLM=1 it then builds a second virtualenv (.venv-vllm: vLLM 0.33 pins its
-# own torch, a ~9.5 GB CUDA build, ~6 minutes) and runs the vLLM parity tests (-m vllm) there.
+# With DGEMMA_TEST_VLLM=1 it then runs the vLLM tests (-m vllm) once per supported vLLM release,
+# each in its own virtualenv (scripts/vllm_venv.sh builds or reuses it; vLLM pins its own torch,
+# a ~9.5 GB CUDA build, ~5-6 minutes fresh): VLLM33_VENV (default .venv-vllm33) and VLLM34_VENV
+# (default .venv-vllm34). DGEMMA_VLLM_RELEASES picks the releases (default "0.33 0.34").
 # Extra arguments go to pytest.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -29,12 +31,15 @@ fi
 run_pytest python -m pytest -q -p no:cacheprovider "$@"
 
 if [ "${DGEMMA_TEST_VLLM:-0}" = "1" ]; then
-    VLLM_VENV="${VLLM_VENV:-$ROOT/.venv-vllm}"
-    if [ ! -x "$VLLM_VENV/bin/python" ]; then
-        python3 -m venv "$VLLM_VENV"
-        "$VLLM_VENV/bin/python" -m pip install -q -U pip
-    fi
-    "$VLLM_VENV/bin/python" -m pip install -q -e "$ROOT[vllm,test]"
-    # vLLM imports Triton at import time: the interpreter must be chosen before that.
-    TRITON_INTERPRET=1 run_pytest "$VLLM_VENV/bin/python" -m pytest -q -p no:cacheprovider -m vllm "$@"
+    for release in ${DGEMMA_VLLM_RELEASES:-0.33 0.34}; do
+        case "$release" in
+            0.33) venv="${VLLM33_VENV:-$ROOT/.venv-vllm33}" ;;
+            0.34) venv="${VLLM34_VENV:-$ROOT/.venv-vllm34}" ;;
+            *) echo "DGEMMA_VLLM_RELEASES: unknown vLLM release $release" >&2; exit 2 ;;
+        esac
+        bash "$ROOT/scripts/vllm_venv.sh" "$release" "$venv"
+        echo "vLLM $release tests ($venv)"
+        # vLLM imports Triton at import time: the interpreter must be chosen before that.
+        TRITON_INTERPRET=1 run_pytest "$venv/bin/python" -m pytest -q -p no:cacheprovider -m vllm "$@"
+    done
 fi

@@ -1,0 +1,48 @@
+"""Per-request seeds for DiffusionGemma through vLLM's API.
+
+vLLM 0.33 and 0.34 reject ``SamplingParams(seed=...)`` for every diffusion model in
+``SamplingParams._validate_diffusion`` (a 400 on the server): their sampler draws from torch's
+global generator, so a seed could not be honoured. Ours keys every random number by the request's
+seed and its own draw counter, so a seed reproduces a generation whatever the batch.
+``accept_seed`` wraps that validation so that, for DiffusionGemma only, the seed is left out of
+the check; every other parameter it rejects (temperature, min_p, min_tokens, logit_bias,
+bad_words, allowed_token_ids) is still rejected, by vLLM's own code and message.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from typing import Any
+
+from .plugin import ARCHITECTURE
+
+
+def _is_diffusion_gemma(model_config: Any) -> bool:
+    return ARCHITECTURE in (getattr(model_config, "architectures", None) or ())
+
+
+def accept_seed() -> bool:
+    """Wrap ``SamplingParams._validate_diffusion`` (idempotent); False where vLLM has no such
+    check to wrap."""
+    from vllm.sampling_params import SamplingParams
+
+    validate = getattr(SamplingParams, "_validate_diffusion", None)
+    if validate is None:
+        return False
+    if getattr(validate, "_dgemma_accepts_seed", False):
+        return True
+
+    @functools.wraps(validate)
+    def validate_without_seed(self, model_config):
+        if self.seed is None or not _is_diffusion_gemma(model_config):
+            return validate(self, model_config)
+        # vLLM's check on a copy whose seed is unset: its verdict on everything else, unchanged.
+        unseeded = copy.copy(self)
+        unseeded.seed = None
+        return validate(unseeded, model_config)
+
+    validate_without_seed._dgemma_accepts_seed = True
+    SamplingParams._validate_diffusion = validate_without_seed
+    return True
+
