@@ -94,7 +94,8 @@ def bench_family(family, n, args, embed, backend, device, cuda, gen, floor):
     # the soft embedding alone, all rows kept
     x = logits.view(n, args.canvas, args.vocab)
     temp = torch.full((n,), t, device=device)
-    st = ds.row_stats(x, temp, torch.arange(n, device=device), torch.zeros(n, dtype=torch.int64, device=device))
+    seeds = torch.arange(n, device=device)
+    st = ds.row_stats(x, temp, seeds, torch.zeros_like(seeds))
     norm = float(args.hidden) ** 0.5
     buf = torch.empty(n, args.canvas, args.hidden, device=device)
     row["se_dense_ms"] = device_timer(
@@ -206,7 +207,8 @@ def main(argv=None) -> int:
         for r in results:
             pf = r["path_fraction"]
             sparse = 100 * (pf["top1"] + pf["support"])
-            print(f"{r['requests']:>4} {r['family']:>10} {sparse:>7.1f}% {r.get('cublas_ms', float('nan')):>9.2f} "
+            cublas = r.get('cublas_ms', float('nan'))
+            print(f"{r['requests']:>4} {r['family']:>10} {sparse:>7.1f}% {cublas:>9.2f} "
                   f"{r['se_dense_ms']:>9.2f} {r['se_tail_ms']:>8.2f} {r['step_dense_ms']:>10.2f} "
                   f"{r['step_tail_ms']:>9.2f} {r['step_tail_over_dense']:>10.2f} "
                   f"{r.get('step_tail_over_floor', float('nan')):>10.2f} "

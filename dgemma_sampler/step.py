@@ -358,7 +358,6 @@ def decode_step(
     ``tail_eps``: the soft embedding's tail tolerance (``support.py``); a vocabulary slice of
     ``embed_weight`` gets the share ``tail_eps * V_local / V``, so the all-reduced sum keeps it.
     """
-    n = slots.numel()
     n_rows, cols = logits.shape
     if layout is None:
         layout = step_layout(state, slots, row_starts, valid_len, width, W, n_rows)

@@ -93,8 +93,18 @@ import triton.language as tl
 from . import contract
 from . import keyed_noise as kn
 from .contract import RowStats, cuda_capability
-from .logit_row import (LOG2E, NEG_INF, NO_INDEX, U_FLOOR, exp2_ftz, finish_stats,
-                        interpreting, log1p, scaled, softcapped)
+from .logit_row import (
+    LOG2E,
+    NEG_INF,
+    NO_INDEX,
+    U_FLOOR,
+    exp2_ftz,
+    finish_stats,
+    interpreting,
+    log1p,
+    scaled,
+    softcapped,
+)
 
 # Largest Gumbel value of keyed_noise: bits = 0 gives E = 2^-33, G = 33 ln 2 = 22.87.
 GUMBEL_MAX = tl.constexpr(22.9)

@@ -55,8 +55,13 @@ import torch
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
-                                                              warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .contract import cuda_capability
@@ -408,7 +413,7 @@ def stages_for(logits_dtype: torch.dtype, embed_dtype: torch.dtype, smem_bytes: 
     return max(2, min(4, (smem_bytes - p_bytes - 1024) // per_stage))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _tile_layouts(x_dtype: torch.dtype, e_dtype: torch.dtype, x_box: tuple, e_box: tuple):
     """Shared-memory layouts of the logits and E tiles the descriptors load (built once per
     dtypes and boxes: the two ``get_default_for`` calls cost tens of microseconds of host time

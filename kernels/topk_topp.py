@@ -511,7 +511,8 @@ def _search_kernel(
                             if n <= CAP:
                                 tl.debug_barrier()
                                 values, ids, present = _sorted_candidates(cand_ptr, n, CAP)
-                                w_cand = tl.where(present, tl.exp2(tl.maximum((values - m1) * LOG2E, U_FLOOR)),
+                                w_cand = tl.where(present,
+                                                  tl.exp2(tl.maximum((values - m1) * LOG2E, U_FLOOR)),
                                                   0.0).to(tl.float64)
                                 cum = tl.where(is_mass, w_hi + tl.cumsum(w_cand, 0),
                                                (c_hi + slot_c + 1).to(tl.float64))
@@ -621,7 +622,7 @@ def _candidate_stats(values, ids, present, thr, row, request, row_position_ptr,
         tl.store(sample_key_ptr + row, best)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 

@@ -25,6 +25,9 @@ run_pytest() {
     return "$rc"
 }
 
+# The linter first: pyproject.toml's [tool.ruff] configuration, which the code passes.
+ruff check "$ROOT"
+
 if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     export TRITON_INTERPRET=1
 fi

@@ -1,6 +1,5 @@
 """Same seeds -> identical outputs, whatever the tiling, batch order or backend chunking."""
 
-import numpy as np
 import pytest
 import torch
 
@@ -27,7 +26,8 @@ def run(order, budget=None, chunk=None, seeds=(11, 22, 33, 44), steps=5, widths=
         x = torch.cat([logits_by_slot[s][t] for s in batch])
         valid = [int(state.canvas_width_np[s]) for s in batch]
         out = sampler.step(x, batch, valid_len=valid)
-        results.append({s: (out.sampled[i].clone(), out.stats.sample[i].clone()) for i, s in enumerate(batch)})
+        results.append({s: (out.sampled[i].clone(), out.stats.sample[i].clone())
+                        for i, s in enumerate(batch)})
     return state, results
 
 
@@ -59,9 +59,10 @@ def test_hidden_state_input_matches_logits_input_and_tiles():
         else:
             out = sampler.step(None, [0, 1], hidden_states=hidden, output_weight=w_out)
             assert sampler.last_tile_requests == (1 if budget == 1 else 2)
-        outs.append((out.stats.argmax, out.stats.sample, state.canvas.clone(), state.self_conditioning_embeds.clone()))
+        outs.append((out.stats.argmax, out.stats.sample, state.canvas.clone(),
+                     state.self_conditioning_embeds.clone()))
     for o in outs[1:]:
-        assert torch.equal(o[0], outs[0][0]) and torch.equal(o[1], outs[0][1]) and torch.equal(o[2], outs[0][2])
+        assert all(torch.equal(o[i], outs[0][i]) for i in range(3))
         torch.testing.assert_close(o[3], outs[0][3], rtol=1e-4, atol=1e-4)
 
 

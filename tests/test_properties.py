@@ -503,7 +503,7 @@ def test_row_stats_per_request_tensors_of_any_stride():
     dense = {k: t.contiguous() for k, t in views.items()}
     with _Patched(_triton_row_stats(None)):
         for filters in ((), ("top_k", "top_p")):
-            def pick(d):
+            def pick(d, filters=filters):
                 return {k: t for k, t in d.items() if k not in ("top_k", "top_p") or k in filters}
             got = ds.row_stats(x, **pick(views), backend="triton")
             want = ds.row_stats(x, **pick(dense), backend="torch")
@@ -656,8 +656,11 @@ def step_scenarios(draw, max_requests=5, hidden_input=False, vocabs=(7, 50, 97, 
                 hidden_input=hidden_input, data_seed=draw(st.integers(0, 2**31 - 1)))
 
 
+BUDGETS = st.sampled_from([None, 1, 20_000])
+
+
 @st.composite
-def arrangements(draw, n_requests, max_slots, steps, budget=st.sampled_from([None, 1, 20_000]),
+def arrangements(draw, n_requests, max_slots, steps, budget=BUDGETS,
                  whole_batches=False):
     """Where the requests sit, how each step's batch is ordered and grouped, the budget
     (``whole_batches``: every step one batch of all requests)."""

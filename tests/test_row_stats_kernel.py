@@ -111,7 +111,8 @@ def _assert_thresholds(got, want, logits, row_request, softcap, allowed, top_k, 
     differ = (got != want).nonzero().flatten().tolist()
     req = row_request.long()
     for r in differ:
-        if softcap is not None and abs(float(got[r]) - float(want[r])) <= 1e-6 * max(1.0, abs(float(want[r]))):
+        close = abs(float(got[r]) - float(want[r])) <= 1e-6 * max(1.0, abs(float(want[r])))
+        if softcap is not None and close:
             continue
         assert top_p is not None and float(top_p[req[r]]) < 1, f"top-k threshold row {r} differs"
         x = reference.softcapped(logits[r:r + 1], softcap)[0].double()
@@ -303,7 +304,6 @@ def test_special_rows(interpret, poisoned, dtype):
     vocab = 1000
     logits = _special_rows(vocab, gen).to(dtype)
     n_rows = logits.shape[0]
-    n_req = 4
     temperature = torch.tensor([0.8, 0.0, 1e-8, 50.0])
     seeds = torch.tensor([3, -(2**63), 2**63 - 1, 12345])
     draws = torch.tensor([0, 1, 2**33, 7])
@@ -696,7 +696,8 @@ def test_gpu_descriptor_walk_changes_no_bit(dtype):
     """Whole groups through the TMA descriptor (the default on Hopper), 3 or 4 stages deep,
     against the register-prefetch walk: every output bit-identical for a row stride that is a
     multiple of 16 elements (with another, the register walk sums in another order), with a
-    ragged last group (a column slice of a wider tensor), NaN / +inf / -inf rows, a new maximum in every block, greedy rows, a sliced vocabulary
+    ragged last group (a column slice of a wider tensor), NaN / +inf / -inf rows, a new maximum in
+    every block, greedy rows, a sliced vocabulary
     (vocab_offset on a sampling-block boundary), sample keys and top-k / top-p thresholds."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("TMA needs Hopper or later")

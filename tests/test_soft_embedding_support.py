@@ -79,7 +79,8 @@ def test_entropy_skip_is_the_maximum_entropy_of_a_small_support():
     h = sp.entropy_skip(EPS, k, v)
     # the extremal distribution: uniform 1 - eps over K tokens, uniform eps over the rest
     f64 = torch.float64
-    p = torch.cat([torch.full((k,), (1 - EPS) / k, dtype=f64), torch.full((v - k,), EPS / (v - k), dtype=f64)])
+    p = torch.cat([torch.full((k,), (1 - EPS) / k, dtype=f64),
+                   torch.full((v - k,), EPS / (v - k), dtype=f64)])
     assert abs(float(-(p * p.log()).sum()) - h) < 1e-12
     g = torch.Generator().manual_seed(1)
     for _ in range(200):

@@ -28,7 +28,7 @@ def compare_trajectories(device, n, canvas, vocab, hidden, steps, dtype, widths=
     samplers = [build(b, device, n, canvas, vocab, hidden, embed, widths) for b in ("triton", "torch")]
     slots = list(range(1, n + 1))
     rows = sum(valid) if valid else n * canvas
-    for t in range(steps):
+    for _ in range(steps):
         logits = (torch.randn(rows, vocab, device=device, generator=gen) * 4).to(dtype)
         outs = [s.step(logits, slots, valid_len=valid) for s in samplers]
         a, r = outs[0].stats, outs[1].stats

@@ -3,7 +3,9 @@
 * tiling: 64 decoding requests x 256 canvas x 262144 vocabulary (8 GiB of bf16 logits) for 3
   steps, hidden-state input tiled one request at a time vs one untiled tile vs materialized
   logits vs regrouped batches in other slots: bit-identical outputs and states, soft
-  embeddings within 1e-4 of the row norm (the split-K plan of the GEMM follows the number of kept rows in a call, so tiles sum in another order; measured 3.2e-5 on the H200), statistics of sampled requests equal to the oracle.
+  embeddings within 1e-4 of the row norm (the split-K plan of the GEMM follows the number of
+  kept rows in a call, so tiles sum in another order), statistics of sampled requests equal to
+  the oracle.
 * rows x vocab past 2^31: 8200 strided rows x 262144 bf16 through ``ds.row_stats`` and
   ``ds.soft_embedding`` against the oracle on rows that include the last ones.
 

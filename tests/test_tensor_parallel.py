@@ -25,7 +25,7 @@ import os
 import tempfile
 import zlib
 from datetime import timedelta
-from functools import lru_cache
+from functools import cache
 from importlib.util import find_spec
 
 import pytest
@@ -128,7 +128,7 @@ def make_case(name: str, slices: tuple[tuple[int, int], ...]) -> dict:
                 keep=keep, backend=backend, soft_backend=soft_backend)
 
 
-@lru_cache(maxsize=None)
+@cache
 def single_gpu(name: str, world: int) -> tuple[dict, reference.RowStats, torch.Tensor]:
     case = make_case(name, tuple(SLICES[world]))
     stats = ds.row_stats(case["logits"], case["temperature"], case["seeds"], case["draws"],

@@ -1,11 +1,13 @@
-"""Step-by-step parity of ``FusedDiffusionSampler`` with the installed vLLM's own ``DiffusionSampler``.
+"""Step-by-step parity of ``FusedDiffusionSampler`` with the installed vLLM's own
+``DiffusionSampler``.
 
 The same tests run against vLLM 0.33 (``dgemma_sampler.vllm.v0_33``: logits in) and 0.34
 (``v0_34``: hidden states in, projected by ``compute_logits`` a tile at a time; the harness
 feeds the tests' logits through an exact projection), whichever is installed; the tests of
-0.34's projection, tile sizes and ``profile_run`` run against 0.34 only. Both samplers run side by side through ``tests/vllm_harness.py``: the same constructor
-arguments, the same requests (real ``SamplingParams``), the same ``InputBatch`` per step and the
-same logits (a clone each: vLLM masks fp32 logits in place for top-k/top-p). After every step
+0.34's projection, tile sizes and ``profile_run`` run against 0.34 only. Both samplers run side
+by side through ``tests/vllm_harness.py``: the same constructor arguments, the same requests
+(real ``SamplingParams``), the same ``InputBatch`` per step and the same logits (a clone each:
+vLLM masks fp32 logits in place for top-k/top-p). After every step
 ``assert_same_step`` compares what the model runner and the next step read:
 
 - exactly: ``sampled_token_ids``, ``num_sampled``, ``num_rejected``, phases

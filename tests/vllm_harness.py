@@ -50,9 +50,10 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
