@@ -253,7 +253,7 @@ def test_vllm_alone_rejects_a_seed(vllm_untouched):
 
 
 def test_seed_accepted_only_seed_lifted(vllm_untouched):
-    assert seeds.accept_seed()
+    assert seeds.accept_seed(plugin.ARCHITECTURE)
     verify(SamplingParams(seed=7))
     verify(SamplingParams(seed=7, top_k=5, top_p=0.9, logprobs=3))
     # Everything else vLLM rejects for diffusion models stays rejected, seed or not.
@@ -298,7 +298,7 @@ def _generate(batch: dict[int, tuple[int, int | None]], order: list[int], steps:
 
 
 def test_seed_reproduces_tokens_whatever_the_batch(vllm_untouched):
-    assert seeds.accept_seed()
+    assert seeds.accept_seed(plugin.ARCHITECTURE)
     alone = _generate({0: (1, 1234)}, [0])[1]
     crowded = _generate({3: (1, 1234), 0: (2, 99), 5: (3, None)}, [5, 3, 0])[1]
     for a, b in zip(alone, crowded):

@@ -87,7 +87,7 @@ def register() -> bool:
     from . import seeds
 
     ModelRegistry.register_model(ARCHITECTURE, MODEL_CLASS)
-    seeds.accept_seed()
+    seeds.accept_seed(ARCHITECTURE)
     return True
 
 

@@ -13,18 +13,11 @@ from __future__ import annotations
 
 import copy
 import functools
-from typing import Any
-
-from .plugin import ARCHITECTURE
 
 
-def _is_diffusion_gemma(model_config: Any) -> bool:
-    return ARCHITECTURE in (getattr(model_config, "architectures", None) or ())
-
-
-def accept_seed() -> bool:
-    """Wrap ``SamplingParams._validate_diffusion`` (idempotent); False where vLLM has no such
-    check to wrap."""
+def accept_seed(architecture: str) -> bool:
+    """Wrap ``SamplingParams._validate_diffusion`` (idempotent) so that models of
+    ``architecture`` keep the seed; False where vLLM has no such check to wrap."""
     from vllm.sampling_params import SamplingParams
 
     validate = getattr(SamplingParams, "_validate_diffusion", None)
@@ -35,7 +28,7 @@ def accept_seed() -> bool:
 
     @functools.wraps(validate)
     def validate_without_seed(self, model_config):
-        if self.seed is None or not _is_diffusion_gemma(model_config):
+        if self.seed is None or architecture not in (getattr(model_config, "architectures", None) or ()):
             return validate(self, model_config)
         # vLLM's check on a copy whose seed is unset: its verdict on everything else, unchanged.
         unseeded = copy.copy(self)
