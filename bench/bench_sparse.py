@@ -62,7 +62,7 @@ def support_sizes(logits, ks, temperature, eps):
     t = torch.full((1,), temperature, device=logits.device)
     st = ds.row_stats(logits.view(1, rows, vocab), t, torch.zeros(1, dtype=torch.int64, device=logits.device),
                       torch.zeros(1, dtype=torch.int64, device=logits.device))
-    find = sp.backend_functions(ds.ops.resolve_backend("auto", logits.device))[0]
+    find = sp.tail_functions(ds.ops.resolve_backend("auto", logits.device))[0]
     res = find(logits, torch.zeros(rows, dtype=torch.int64, device=logits.device), t,
                st.lse.reshape(-1), tail_eps=eps, bin_weights=sp.weights_on(logits.device),
                budget=sp.tail_budget(eps))
@@ -108,7 +108,7 @@ def bench_family(family, n, args, embed, backend, device, cuda, gen, floor):
         # 128-row tile with one dense row runs its whole K loop), then every dense row on the
         # Triton kernel (it compacts them), and the Triton kernel's dense result.
         from dgemma_sampler.kernels.soft_embedding import soft_embedding_rows
-        find, _, gather = sp.backend_functions("triton")
+        find, _, gather = sp.tail_functions("triton")
         compact = functools.partial(soft_embedding_rows, wgmma=False)
         flat = logits
         req = torch.arange(n, device=device).repeat_interleave(args.canvas)

@@ -245,7 +245,8 @@ def soft_embedding(
     )
     if tail_eps > 0:
         triton = resolve_backend(backend, dev) == "triton"
-        fns = support.functions_for(triton_soft_embedding_rows if triton else reference.soft_embedding_rows)
+        fns = support.tail_functions_for(
+            triton_soft_embedding_rows if triton else reference.soft_embedding_rows)
         res, _ = support.soft_embedding_tail(
             *fns, flat, request, temperature, lse.reshape(-1), embed_weight, normalizer,
             tail_eps=tail_eps, argmax=None if argmax is None else argmax.reshape(-1),

@@ -404,7 +404,7 @@ def decode_step(
         slice_eps = tail_eps * embed_weight.shape[0] / cols
         if slice_eps >= support.MIN_TAIL_EPS:
             _, rows_support = support.soft_embedding_tail(
-                *support.functions_for(soft_fn), *soft_args, **soft_kwargs, tail_eps=slice_eps,
+                *support.tail_functions_for(soft_fn), *soft_args, **soft_kwargs, tail_eps=slice_eps,
                 argmax=flat.argmax if column_tokens is None else None, entropy=flat.entropy)
             sc_path_rows = rows_support.path_rows()
         else:

@@ -23,7 +23,8 @@ host synchronisation:
 3. Support pass: every kept entry goes to a bin ``j = floor(-4 log2 p_v)`` (4 bins per octave,
    ``NUM_BINS - 1`` of them, the last one lumping everything below ``2^-63.5``); a token in
    bin j has ``p_v <= 2^(-j/4)``. The tail bound of a cut c is ``sum_{j >= c} count_j 2^(-j/4)``,
-   summed exactly in 2^-56 fixed point with every weight rounded up; the cut is the smallest c
+   summed exactly in 2^-56 fixed point with every weight rounded up (each term saturated at
+   ``budget + 1``, which no cut can include: int64 cannot overflow); the cut is the smallest c
    whose bound is ``<= eps`` and S the tokens of the bins below it, in vocabulary order. A
    bin's bound is within a factor 2^(1/4) of its mass, so S is no larger than the minimal set
    of tolerance ``eps / 2^(1/4)`` up to the tokens of one bin (tested, not a theorem).
@@ -60,7 +61,7 @@ from . import envs, reference
 MAX_SUPPORT = 64
 NUM_BINS = 256  # 255 bins of a quarter octave, then one for masked entries (weight 0)
 BINS_PER_OCTAVE = 4
-FIXED_BITS = 56  # tail bounds in units of 2^-56: sum_j count_j w_j stays below 2^63
+FIXED_BITS = 56  # tail bounds in units of 2^-56 (each term saturated at budget + 1: no overflow)
 # The smallest tolerance: below it the cut could reach the last bins, which lump every token
 # under 2^-63.5 (and the budget in 2^-56 units gets coarse).
 MIN_TAIL_EPS = 2.0**-30
@@ -218,7 +219,12 @@ def support_rows(
         b = torch.where(masked | torch.isnan(b), NUM_BINS - 1, b).to(torch.int64)
         counts = torch.zeros(r1 - r0, NUM_BINS, dtype=torch.int64, device=dev)
         counts.scatter_add_(1, b, torch.ones_like(b))
-        t = counts * weights
+        # Saturated terms: a count past budget // w_j + 1 already puts its bin over the budget,
+        # and a term past budget + 1 already fails every cut that includes it. So the cut is
+        # unchanged and no product or sum overflows int64 (<= NUM_BINS (budget + 1) < 2^61),
+        # e.g. 200 tied maxima of a greedy row in bin 0 (weight 2^56).
+        t = torch.minimum(torch.minimum(counts, budget // weights.clamp(min=1) + 1) * weights,
+                          torch.tensor(budget + 1, device=dev))
         suffix = t.flip(1).cumsum(1).flip(1)  # sum_{j >= c} count_j w_j, exact
         js = torch.arange(NUM_BINS, device=dev)
         cut = torch.where(suffix <= budget, js, NUM_BINS).min(dim=1).values
@@ -388,16 +394,18 @@ def dense_by_tiles(dense_fn, logits, row_request, temperature, lse, embed_weight
     return out
 
 
-def functions_for(dense_fn):
-    """(support, dense, gather) of the backend whose dense soft embedding is ``dense_fn``."""
+def tail_functions_for(dense_fn):
+    """``tail_functions`` of the backend whose dense soft embedding is ``dense_fn`` (the
+    runner's, which may be a wrapper of the Triton one)."""
     if dense_fn is reference.soft_embedding_rows:
         return support_rows, dense_fn, gather_rows
-    find, _, gather = backend_functions("triton")
+    find, _, gather = tail_functions("triton")
     return find, functools.partial(dense_by_tiles, dense_fn), gather
 
 
-def backend_functions(backend: str):
-    """(support, dense, gather) flat-row functions of ``"triton"`` or ``"torch"``."""
+def tail_functions(backend: str):
+    """(support, dense, gather) flat-row functions of ``"triton"`` or ``"torch"``: the first
+    three arguments of ``soft_embedding_tail``."""
     if backend == "triton":
         from .kernels.soft_embedding import soft_embedding_rows
         from .kernels.soft_embedding_gather import gather_rows as gather

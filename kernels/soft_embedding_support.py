@@ -11,7 +11,8 @@ scaled as every row kernel does (``logit_row``), ``p_v = exp(z_v - lse)``, and a
    ``2^((z_argmax - lse + d) log2 e) < (1 - eps) / K``: dense;
 3. otherwise one pass bins every kept entry by ``j = floor(-4 log2 p)`` against ``lse - d``
    (``tl.histogram``, 255 quarter-octave bins plus one for masked entries), sums the tail bounds
-   ``count_j * w_j`` (``w_j >= 2^(56 - j/4)``, int64, exact) from the top bin down, and cuts at
+   ``count_j * w_j`` (``w_j >= 2^(56 - j/4)``, int64, exact; each term saturated at
+   ``budget + 1``, which no cut includes, so nothing overflows) from the top bin down, and cuts at
    the smallest bin c whose tail bound is ``<= eps 2^56``: ``|S| = sum_{j < c} count_j``. When
    ``|S| <= K`` a second pass writes S's columns, in vocabulary order, into ``ids[row, :|S|]``.
 
@@ -118,7 +119,10 @@ def support_kernel(
                       HAS_THRESHOLD, HAS_ALLOWED, SOFTCAP, NUM_BINS)
             counts += tl.histogram(b, NUM_BINS)
         js = tl.arange(0, NUM_BINS)
-        t = counts.to(tl.int64) * tl.load(weights_ptr + js)
+        # Saturated tail terms (the cut is unchanged, int64 cannot overflow: the oracle's note)
+        w = tl.load(weights_ptr + js)
+        cap = budget // tl.maximum(w, 1) + 1
+        t = tl.minimum(tl.minimum(counts.to(tl.int64), cap) * w, budget + 1)
         suffix = tl.sum(t, axis=0) - tl.cumsum(t, axis=0) + t  # sum_{j' >= j}: exact integers
         cut = tl.min(tl.where(suffix <= budget, js, NUM_BINS), axis=0)
         size = tl.sum(tl.where(js < cut, counts, 0), axis=0)
@@ -183,7 +187,7 @@ def support_rows(
     assert bin_weights.dim() == 1 and bin_weights.dtype == torch.int64, "bin_weights: [B] int64"
     num_bins = bin_weights.numel()
     assert num_bins & (num_bins - 1) == 0, "the number of bins must be a power of two"
-    assert 0 < budget < 2**62, f"budget must be a positive int64, got {budget}"
+    assert 0 < budget < 2**54, f"budget must be in (0, 2^54) (eps <= 2^-2), got {budget}"
     for name, t, dt in (("keep", keep, torch.bool), ("threshold", threshold, torch.float32),
                         ("argmax", argmax, torch.int64), ("entropy", entropy, torch.float32)):
         if t is not None:

@@ -23,6 +23,7 @@ HAS_TRITON = INTERPRET or torch.cuda.is_available()
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
 EPS = 2.0**-10
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs TRITON_INTERPRET=1 or CUDA")
+BACKENDS = ["torch"] + (["triton"] if HAS_TRITON else [])
 
 
 def peaked_logits(r, w, v, *, device=DEVICE, dtype=torch.float32, seed=0):
@@ -183,6 +184,52 @@ def test_greedy_rows_take_the_tied_maxima():
     torch.testing.assert_close(got, dense, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("ties", [130, 200])
+def test_many_greedy_ties_do_not_overflow_the_tail_sum(backend, ties):
+    # >= 128 tokens in bin 0 (weight 2^56): the unsaturated int64 tail sum wrapped, the cut
+    # became 0 and the row was written as zero.
+    v, h = 300, 16
+    x = torch.randn(1, 2, v, device=DEVICE)
+    x[0, :, :ties] = 8.0
+    t = torch.tensor([0.0], device=DEVICE)
+    st = stats_of(x, t)
+    e = torch.randn(v, h, device=DEVICE)
+    for k in (sp.MAX_SUPPORT, 256):  # dense by the support size, then sparse over the ties
+        find = sp.tail_functions(backend)[0]
+        s = find(x.reshape(-1, v), torch.zeros(2, dtype=torch.int64, device=DEVICE), t,
+                 st.lse.reshape(-1), tail_eps=2.0**-12, bin_weights=sp.weights_on(x.device),
+                 budget=sp.tail_budget(2.0**-12), max_support=k, argmax=st.argmax.reshape(-1))
+        s = s if isinstance(s, sp.Support) else sp.Support(*s)
+        assert s.count.tolist() == [ties, ties]
+        want_path = sp.PATH_SUPPORT if ties <= k else sp.PATH_SUPPORT_DENSE
+        assert s.path.tolist() == [want_path] * 2
+    # no entropy: the tier-2 filter would send these rows to the dense path before the pass
+    got = ds.soft_embedding(x, t, st.lse, e, 2.0, backend=backend, tail_eps=2.0**-12,
+                            argmax=st.argmax)
+    want = 2.0 * e[:ties].double().cpu().sum(0)  # greedy: p = 1 at each tied maximum
+    torch.testing.assert_close(got.reshape(2, h).double().cpu(), want.expand(2, h), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_infinite_logits_keep_the_bound(backend):
+    v, h = 300, 16
+    x = torch.randn(1, 3, v, device=DEVICE)
+    x[0, 0, 7] = math.inf  # one +inf: all the mass on it (z clamps to FLT_MAX)
+    x[0, 1, [3, 150]] = math.inf  # two: half each
+    for t_value in (0.0, 0.8):
+        t = torch.tensor([t_value], device=DEVICE)
+        st = stats_of(x, t)
+        e = torch.randn(v, h, device=DEVICE)
+        got = ds.soft_embedding(x, t, st.lse, e, 1.0, backend=backend, tail_eps=EPS,
+                                argmax=st.argmax, entropy=st.entropy)
+        dense = ds.soft_embedding(x, t, st.lse, e, 1.0, backend=backend)
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got[0, :2], dense[0, :2], rtol=1e-5, atol=1e-5)
+        scale = float(e.abs().max())
+        assert float((got[0, 2] - dense[0, 2]).abs().max()) <= (EPS + 2.0**-8) * scale
+
+
 # -- the soft embedding: bound, masks, eps = 0 -------------------------------------------------
 
 def check_bound(got, want, embed, normalizer, dense_rows, dense_tol):
@@ -195,8 +242,6 @@ def check_bound(got, want, embed, normalizer, dense_rows, dense_tol):
     if dense_rows.any():
         assert float(err[dense_rows].max()) <= dense_tol * scale
 
-
-BACKENDS = ["torch"] + (["triton"] if HAS_TRITON else [])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -229,7 +274,7 @@ def test_soft_embedding_within_the_bound(backend, case):
                       allowed=kw.get("allowed"))
     if keep is not None:
         want = torch.where(keep.cpu()[..., None], want, 0.0)
-    fns = sp.backend_functions("torch")
+    fns = sp.tail_functions("torch")
     flat = x.reshape(r * w, v)
     req = torch.arange(r, device=DEVICE).repeat_interleave(w)
     _, s = sp.soft_embedding_tail(*fns, flat, req, t, st.lse.reshape(-1), e, 4.0, tail_eps=EPS,
@@ -410,7 +455,7 @@ def test_gpu_production_vocabulary(dtype):
     e = (torch.randn(v, h, device="cuda") * 0.03).to(torch.bfloat16)
     flat = x.reshape(r * w, v)
     req = torch.arange(r, device="cuda").repeat_interleave(w)
-    _, s_k = sp.soft_embedding_tail(*sp.backend_functions("triton"), flat, req, t,
+    _, s_k = sp.soft_embedding_tail(*sp.tail_functions("triton"), flat, req, t,
                                     st.lse.reshape(-1), e, 5.0, tail_eps=EPS,
                                     argmax=st.argmax.reshape(-1), entropy=st.entropy.reshape(-1))
     s_o = sp.support_rows(flat, req, t, st.lse.reshape(-1), tail_eps=EPS,
