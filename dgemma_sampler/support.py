@@ -372,9 +372,10 @@ def dense_by_tiles(dense_fn, logits, row_request, temperature, lse, embed_weight
                    tile_rows: int | None = None, **kwargs):
     """``dense_fn`` (the Triton backend's ``soft_embedding_rows``) over the rows ``keep`` marks,
     split by tiles of ``tile_rows`` rows (default: the Hopper kernel's, None where it does not
-    run, and then one plain call): the mostly-dense tiles on the Hopper kernel, the scattered
-    dense rows compacted on the Triton kernel into a buffer added to ``out`` (its rows are
-    zero there). No host sync; one extra ``[N, H]`` fp32 buffer."""
+    run, and then one plain call): the mostly-dense tiles on the Hopper kernel, which writes
+    every row (zero where not kept), then the scattered dense rows compacted on the Triton
+    kernel, which writes only those rows (``kept_only``) into the same ``out``. No host sync,
+    no extra buffer."""
     common = dict(vocab_start=vocab_start, allowed=allowed, softcap=softcap, **kwargs)
     args = (logits, row_request, temperature, lse, embed_weight, normalizer)
     if tile_rows is None:
@@ -386,12 +387,8 @@ def dense_by_tiles(dense_fn, logits, row_request, temperature, lse, embed_weight
     whole_tile = per_tile >= math.ceil(WHOLE_TILE_FRACTION * tile_rows)
     whole = whole_tile.unsqueeze(1).expand(-1, tile_rows).reshape(-1)[:n]
     out = dense_fn(*args, keep=keep & whole, out=out, out_index=out_index, **common)
-    part = dense_fn(*args, keep=keep & ~whole, wgmma=False, **common)
-    if out_index is None:
-        out += part
-    else:
-        out.index_add_(0, out_index, part)  # distinct rows: one add per element, deterministic
-    return out
+    return dense_fn(*args, keep=keep & ~whole, out=out, out_index=out_index, wgmma=False,
+                    kept_only=True, **common)
 
 
 def tail_functions_for(dense_fn):

@@ -276,6 +276,28 @@ def test_keep_patterns(pattern):
 
 
 @cpu_only
+@pytest.mark.parametrize("num_sms", [1, 64])
+def test_kept_only_leaves_other_rows_untouched(num_sms):
+    """``kept_only``: the kept rows as a plain call writes them, every other row of ``out`` (and
+    of a slot-indexed buffer) as it was, with whole tiles (1 SM) and split-K (64)."""
+    case = make_case(seed=5)
+    n, hidden = case.logits.shape[0], case.embed.shape[1]
+    keep = torch.rand(n, generator=torch.Generator().manual_seed(6)) < 0.4
+    want = run_kernel(case, keep=keep, num_sms=num_sms)
+    got = run_kernel(case, keep=keep, num_sms=num_sms, kept_only=True,
+                     out=torch.full((n, hidden), -5.0))
+    assert torch.equal(got[keep], want[keep])
+    assert (got[~keep] == -5.0).all()
+    out_index = torch.randperm(n + 3, generator=torch.Generator().manual_seed(7))[:n]
+    state = torch.full((n + 3, hidden), -5.0)
+    run_kernel(case, keep=keep, num_sms=num_sms, kept_only=True, out=state, out_index=out_index)
+    assert torch.equal(state[out_index[keep]], want[keep])
+    untouched = torch.ones(n + 3, dtype=torch.bool)
+    untouched[out_index[keep]] = False
+    assert (state[untouched] == -5.0).all()
+
+
+@cpu_only
 @pytest.mark.parametrize("hint", ["exact", "low", "zero"])
 def test_num_kept_hint(hint):
     """``num_kept`` only sizes the schedule: a count that is too low is still correct."""

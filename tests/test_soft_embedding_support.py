@@ -419,8 +419,9 @@ def test_gather_kernel_matches_oracle_and_is_batch_independent():
 @needs_triton
 @pytest.mark.parametrize("with_index", [False, True])
 def test_dense_rows_split_by_tiles_add_up(with_index):
-    """Mostly-dense tiles on one call, scattered rows compacted on another, added: the plain
-    dense result (``tile_rows`` forced, so the interpreter runs the Triton kernel twice)."""
+    """Mostly-dense tiles on one call, scattered rows compacted on another that writes only
+    them (``kept_only``) into the same ``out``: the plain dense result (``tile_rows`` forced,
+    so the interpreter runs the Triton kernel twice)."""
     from dgemma_sampler.kernels.soft_embedding import soft_embedding_rows
 
     n, v, h = 37, 300, 40
