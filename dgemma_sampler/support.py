@@ -223,8 +223,7 @@ def support_rows(
         # and a term past budget + 1 already fails every cut that includes it. So the cut is
         # unchanged and no product or sum overflows int64 (<= NUM_BINS (budget + 1) < 2^61),
         # e.g. 200 tied maxima of a greedy row in bin 0 (weight 2^56).
-        t = torch.minimum(torch.minimum(counts, budget // weights.clamp(min=1) + 1) * weights,
-                          torch.tensor(budget + 1, device=dev))
+        t = (torch.minimum(counts, budget // weights.clamp(min=1) + 1) * weights).clamp(max=budget + 1)
         suffix = t.flip(1).cumsum(1).flip(1)  # sum_{j >= c} count_j w_j, exact
         js = torch.arange(NUM_BINS, device=dev)
         cut = torch.where(suffix <= budget, js, NUM_BINS).min(dim=1).values
@@ -260,13 +259,17 @@ def support_rows(
             rows_count = torch.where(kept, rows_count, -1)
         path[r0:r1] = rows_path.to(torch.int8)
         count[r0:r1] = rows_count.to(torch.int32)
-        # S's columns in vocabulary order: the position of each member is its rank in the row
+        # S's columns in vocabulary order: the position of each member is its rank in the row.
+        # Fixed shapes (no host sync): entries not written go to a spare column K, dropped.
         write = in_s & (rows_path == PATH_SUPPORT).unsqueeze(1)
-        rr, cc = write.nonzero(as_tuple=True)
-        ids[r0 + rr, in_s.cumsum(1)[rr, cc] - 1] = local[cc]
+        pos = torch.where(write, in_s.cumsum(1) - 1, k)
+        row_ids = torch.full((r1 - r0, k + 1), -1, dtype=torch.int32, device=dev)
+        row_ids.scatter_(1, pos, local.expand(r1 - r0, -1).contiguous())
+        row_ids = row_ids[:, :k]
         if argmax is not None:
-            first = torch.nonzero(top1 & (rows_path == PATH_TOP1)).flatten()
-            ids[r0 + first, 0] = a_loc[first].to(torch.int32)
+            first = top1 & (rows_path == PATH_TOP1)
+            row_ids[:, 0] = torch.where(first, a_loc.to(torch.int32), row_ids[:, 0])
+        ids[r0:r1] = row_ids
     return Support(path, count, ids)
 
 
@@ -288,23 +291,25 @@ def gather_rows(
 ) -> torch.Tensor:
     """Reference gather: for the sparse rows (``path``, ``count``, ``ids`` of a ``Support``),
     ``out[row] = normalizer * sum_{v in S} p_v E[v]`` (fp32, vocabulary order); other rows of
-    ``out`` are left alone. ``p_v = 2^((z_v - lse) log2 e)`` as the kernel computes it."""
+    ``out`` are left alone. ``p_v = 2^((z_v - lse) log2 e)`` as the kernel computes it.
+    Fixed shapes over all rows (p = 0 outside S), so no host sync."""
     inv_t = reference.inverse_temperature(temperature)
     norm = torch.as_tensor(normalizer, device=logits.device).to(torch.float32)
-    rows = torch.nonzero(Support(path, count, ids).sparse()).flatten()
-    if rows.numel() == 0:
-        return out
-    member = torch.arange(ids.shape[1], device=ids.device) < count[rows].unsqueeze(1)
-    cols = torch.where(member, ids[rows], 0).to(torch.int64)
-    x = reference.softcapped(logits[rows.unsqueeze(1), vocab_start + cols], softcap)
-    inv = inv_t[row_request[rows].to(torch.int64)].unsqueeze(1)
+    sparse = Support(path, count, ids).sparse()
+    member = (torch.arange(ids.shape[1], device=ids.device) < count.unsqueeze(1)) & sparse.unsqueeze(1)
+    cols = torch.where(member, ids, 0).to(torch.int64)
+    x = reference.softcapped(logits.gather(1, vocab_start + cols), softcap)
+    inv = inv_t[row_request.to(torch.int64)].unsqueeze(1)
     z = torch.clamp(x * inv, max=reference.FLT_MAX)
-    p = torch.where(member, torch.exp2((z - lse[rows].unsqueeze(1)) * LOG2E), 0.0)
-    acc = torch.zeros(rows.numel(), embed_weight.shape[1], dtype=torch.float32, device=logits.device)
+    p = torch.where(member, torch.exp2((z - lse.unsqueeze(1)) * LOG2E), 0.0)
+    acc = torch.zeros(logits.shape[0], embed_weight.shape[1], dtype=torch.float32, device=logits.device)
     for i in range(ids.shape[1]):  # vocabulary order, one member at a time
         acc += p[:, i:i + 1] * embed_weight[cols[:, i]].to(torch.float32)
-    target = rows if out_index is None else out_index[rows]
-    out[target] = acc * norm
+    sparse = sparse.unsqueeze(1)
+    if out_index is None:
+        out.copy_(torch.where(sparse, acc * norm, out))
+    else:  # distinct rows: one write per row
+        out.index_copy_(0, out_index, torch.where(sparse, acc * norm, out[out_index]))
     return out
 
 

@@ -550,3 +550,25 @@ def test_gpu_step_with_support_is_graph_captured():
         assert torch.equal(captured.sc_path_rows, ref.sc_path_rows)
         assert int(ref.sc_path_rows[sp.PATH_TOP1] + ref.sc_path_rows[sp.PATH_SUPPORT]) > 0
         assert torch.equal(graphed.state.self_conditioning_embeds, eager.state.self_conditioning_embeds)
+
+
+@pytest.mark.gpu
+def test_gpu_torch_backend_does_not_sync():
+    """The torch oracle path (support, dense rows, gather) on CUDA runs without a host sync."""
+    r, w, v, h = 2, 9, 2000, 64
+    x = peaked_logits(r, w, v, device="cuda")
+    t = torch.tensor([0.7, 0.0], device="cuda")
+    st = stats_of(x, t)
+    e = torch.randn(v, h, device="cuda").to(torch.bfloat16)
+    sp.weights_on(x.device)  # built once per device, outside the checked region
+    req = torch.arange(r, device="cuda").repeat_interleave(w)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out, s = sp.soft_embedding_tail(*sp.tail_functions("torch"), x.reshape(r * w, v), req, t,
+                                        st.lse.reshape(-1), e, 2.0, tail_eps=EPS,
+                                        argmax=st.argmax.reshape(-1), entropy=st.entropy.reshape(-1))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    want = exact_soft(x, t, e, 2.0)
+    check_bound(out, want.reshape(r * w, h), e, 2.0, s.dense().cpu(), 1e-5)
