@@ -294,7 +294,9 @@ def gather_rows(
     ``out`` are left alone. ``p_v = 2^((z_v - lse) log2 e)`` as the kernel computes it.
     Fixed shapes over all rows (p = 0 outside S), so no host sync."""
     inv_t = reference.inverse_temperature(temperature)
-    norm = torch.as_tensor(normalizer, device=logits.device).to(torch.float32)
+    # a float stays a float: no host-to-device copy
+    norm = normalizer.to(logits.device, torch.float32) if isinstance(normalizer, torch.Tensor) \
+        else float(normalizer)
     sparse = Support(path, count, ids).sparse()
     member = (torch.arange(ids.shape[1], device=ids.device) < count.unsqueeze(1)) & sparse.unsqueeze(1)
     cols = torch.where(member, ids, 0).to(torch.int64)
