@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .kernels.contract import check_tail_eps
+
 
 @dataclass(frozen=True)
 class SamplerConfig:
@@ -69,9 +71,10 @@ class SamplerConfig:
         need(count(self.canvas_length) and self.canvas_length >= 1, "canvas_length", "an int >= 1")
         need(self.softcap is None or (finite(self.softcap) and self.softcap > 0),
              "softcap", "None or a finite float > 0")
-        # Below 2^-30 the support cut could reach the bins that lump every negligible token.
-        need(finite(self.tail_eps) and (self.tail_eps == 0 or 2.0**-30 <= self.tail_eps <= 2.0**-4),
-             "tail_eps", "0 or a finite float in [2^-30, 2^-4]")
+        try:
+            check_tail_eps(self.tail_eps)
+        except ValueError:
+            need(False, "tail_eps", "0 or a finite float in [2^-30, 2^-4]")
 
     @property
     def ring_size(self) -> int:

@@ -15,7 +15,7 @@ import numbers
 import torch
 
 from . import envs, reference, support
-from .kernels.contract import FLOAT_DTYPES, RowStats, cuda_capability  # noqa: F401 (re-exported)
+from .kernels.contract import FLOAT_DTYPES, RowStats, check_tail_eps, cuda_capability  # noqa: F401 (re-exported)
 
 BACKENDS = ("auto", "triton", "torch")
 
@@ -225,9 +225,7 @@ def soft_embedding(
     elif isinstance(normalizer, bool) or not isinstance(normalizer, (int, float)):
         raise TypeError(f"normalizer must be a float or a 1-element tensor, got {type(normalizer).__name__}")
     _check_softcap(softcap)
-    if not (isinstance(tail_eps, (int, float))
-            and (tail_eps == 0 or support.MIN_TAIL_EPS <= tail_eps <= 2.0**-4)):
-        raise ValueError(f"tail_eps must be 0 or a float in [2^-30, 2^-4], got {tail_eps!r}")
+    check_tail_eps(tail_eps)
     if argmax is not None:
         check_tensor("argmax", argmax, dtypes=(torch.int64,), device=dev, shape=(r, w))
     if entropy is not None:

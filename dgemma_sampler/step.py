@@ -401,8 +401,8 @@ def decode_step(
         soft_args = (logits, request, temperature, flat.lse, embed_weight, normalizer)
         soft_kwargs = dict(keep=keep, threshold=threshold, allowed=allowed, vocab_start=vocab_start,
                            softcap=softcap, out=sc_rows, out_index=layout.sc_index)
-        slice_eps = tail_eps * embed_weight.shape[0] / cols
-        if slice_eps >= support.MIN_TAIL_EPS:
+        slice_eps = support.slice_tail_eps(tail_eps, embed_weight.shape[0] / cols)
+        if slice_eps > 0:
             _, rows_support = support.soft_embedding_tail(
                 *support.tail_functions_for(soft_fn), *soft_args, **soft_kwargs, tail_eps=slice_eps,
                 argmax=flat.argmax if column_tokens is None else None, entropy=flat.entropy)

@@ -54,6 +54,7 @@ from dataclasses import dataclass
 import torch
 
 from . import envs, reference
+from .kernels.contract import MIN_TAIL_EPS, check_tail_eps
 
 # K: the largest support the gather takes. Issue #31's H100 figures (plain torch gather + bmm,
 # H = 2816): K = 16 / 64 / 256 rows of E per row cost 0.06 / 0.2 / 0.8 of the dense GEMM per
@@ -62,9 +63,6 @@ MAX_SUPPORT = 64
 NUM_BINS = 256  # 255 bins of a quarter octave, then one for masked entries (weight 0)
 BINS_PER_OCTAVE = 4
 FIXED_BITS = 56  # tail bounds in units of 2^-56 (each term saturated at budget + 1: no overflow)
-# The smallest tolerance: below it the cut could reach the last bins, which lump every token
-# under 2^-63.5 (and the budget in 2^-56 units gets coarse).
-MIN_TAIL_EPS = 2.0**-30
 
 PATH_NOT_KEPT, PATH_TOP1, PATH_SUPPORT, PATH_STATS_DENSE, PATH_SUPPORT_DENSE = range(5)
 NUM_PATHS = 5
@@ -96,6 +94,14 @@ def weights_on(device: torch.device) -> torch.Tensor:
     if key not in _WEIGHTS:
         _WEIGHTS[key] = default_bin_weights(device)
     return _WEIGHTS[key]
+
+
+def slice_tail_eps(tail_eps: float, share: float) -> float:
+    """The tolerance of a vocabulary slice holding ``share`` of the budget (a tensor-parallel
+    rank: ``1 / world`` or ``V_local / V``), so that the slices' excluded mass adds up to at most
+    ``tail_eps``; 0 (the dense path) where that falls below ``MIN_TAIL_EPS``."""
+    eps = tail_eps * share
+    return eps if eps >= MIN_TAIL_EPS else 0.0
 
 
 def tail_budget(tail_eps: float) -> int:
@@ -333,8 +339,9 @@ def soft_embedding_tail(
     """
     vocab = logits.shape[1]
     v_local = embed_weight.shape[0]
-    if not tail_eps >= MIN_TAIL_EPS:
-        raise ValueError(f"tail_eps must be >= 2^-30 here (0 means the dense path), got {tail_eps!r}")
+    check_tail_eps(tail_eps)
+    if tail_eps == 0:
+        raise ValueError("tail_eps 0 is the dense path: call the dense soft embedding")
     h_skip = math.inf
     if entropy is not None:
         h_skip = entropy_skip_f32(tail_eps, entropy_support or max_support, entropy_vocab or vocab)

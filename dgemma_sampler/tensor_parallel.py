@@ -57,7 +57,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import ops, reference
+from . import ops, reference, support
 from .reference import FLT_MAX, RowStats
 
 # Columns of the packed per-row partials (int32; fp32 values travel as their bit patterns,
@@ -427,7 +427,7 @@ def soft_embedding_sharded(
         out = ops.soft_embedding(local_logits, temperature, global_lse, local_embed_weight,
                                  normalizer, keep=keep, vocab_start=0, softcap=softcap,
                                  out=out, backend=backend,
-                                 tail_eps=tail_eps / world if tail_eps else 0.0)
+                                 tail_eps=support.slice_tail_eps(tail_eps, 1 / world))
     if world > 1 and out.numel():
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
     return out

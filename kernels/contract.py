@@ -21,6 +21,12 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SAMPLE_BLOCK = 4096
 # Temperatures are clamped to this before their reciprocal: T = 0 (greedy) scales by 1e10.
 GREEDY_CLAMP = 1e-10
+# The soft embedding's tail tolerance (``dgemma_sampler/support.py``): 0 (the dense path) or in
+# [MIN, MAX]. Below MIN the support cut could reach the last bins, which lump every token under
+# 2^-63.5, and the budget in 2^-56 units gets coarse; MAX keeps the saturated int64 tail sums
+# (at most 256 (budget + 1)) far from overflow and the error bound meaningful.
+MIN_TAIL_EPS = 2.0**-30
+MAX_TAIL_EPS = 2.0**-4
 
 
 @dataclass
@@ -46,6 +52,15 @@ def inverse_temperature(temperature: torch.Tensor) -> torch.Tensor:
     statistics and the soft embedding agree on ``z = x * inv_t`` only if both use these bits."""
     # reciprocal() is what ``1.0 / t`` runs (then times 1.0): the same bits, one launch fewer.
     return temperature.to(torch.float32).clamp(min=GREEDY_CLAMP).reciprocal()
+
+
+def check_tail_eps(tail_eps: object) -> None:
+    """ValueError unless ``tail_eps`` is 0 or a finite float in ``[MIN_TAIL_EPS, MAX_TAIL_EPS]``
+    (the one rule of ``SamplerConfig``, ``ops.soft_embedding`` and ``support``)."""
+    ok = (isinstance(tail_eps, (int, float)) and not isinstance(tail_eps, bool)
+          and (tail_eps == 0 or MIN_TAIL_EPS <= tail_eps <= MAX_TAIL_EPS))
+    if not ok:
+        raise ValueError(f"tail_eps must be 0 or a finite float in [2^-30, 2^-4], got {tail_eps!r}")
 
 
 @functools.cache

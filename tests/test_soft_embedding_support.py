@@ -309,6 +309,25 @@ def test_rejects_bad_tail_eps():
     with pytest.raises(ValueError, match="tail_eps"):
         ds.SamplerConfig(tail_eps=0.3)
     assert ds.SamplerConfig().tail_eps == EPS and ds.SamplerConfig(tail_eps=0).tail_eps == 0
+    assert ds.SamplerConfig(tail_eps=2.0**-30).tail_eps == 2.0**-30
+    with pytest.raises(ValueError, match="tail_eps"):
+        sp.soft_embedding_tail(*sp.tail_functions("torch"), x.reshape(2, 100),
+                               torch.zeros(2, dtype=torch.int64), t, st.lse.reshape(-1), e, 1.0,
+                               tail_eps=0.0)
+
+
+def test_slice_share_below_the_smallest_tolerance_is_dense():
+    # one rule for the step (V_local / V) and the sharded soft embedding (1 / world)
+    assert sp.slice_tail_eps(2.0**-10, 0.5) == 2.0**-11
+    assert sp.slice_tail_eps(2.0**-30, 0.5) == 0.0 and sp.slice_tail_eps(0.0, 0.25) == 0.0
+    from dgemma_sampler import tensor_parallel as tp
+
+    x = peaked_logits(1, 3, 64, device="cpu", seed=2)
+    t = torch.tensor([0.5])
+    st = stats_of(x, t)
+    e = torch.randn(64, 8)
+    a = tp.soft_embedding_sharded(x, t, st.lse, e, 2.0, backend="torch", tail_eps=2.0**-30)
+    assert torch.equal(a, ds.soft_embedding(x, t, st.lse, e, 2.0, backend="torch", tail_eps=2.0**-30))
 
 
 def test_vocabulary_slices_keep_the_global_bound():
