@@ -54,20 +54,24 @@ from dataclasses import dataclass
 import torch
 
 from . import envs, reference
-from .kernels.contract import MIN_TAIL_EPS, check_tail_eps
+from .kernels.contract import (  # noqa: F401 (PATH_*, NUM_PATHS, MAX_SUPPORT: re-exported)
+    LSE_MARGIN_OFFSET,
+    LSE_MARGIN_SCALE,
+    MAX_SUPPORT,
+    MIN_TAIL_EPS,
+    NUM_PATHS,
+    PATH_NOT_KEPT,
+    PATH_STATS_DENSE,
+    PATH_SUPPORT,
+    PATH_SUPPORT_DENSE,
+    PATH_TOP1,
+    check_tail_eps,
+)
 
-# K: the largest support the gather takes. Issue #31's H100 figures (plain torch gather + bmm,
-# H = 2816): K = 16 / 64 / 256 rows of E per row cost 0.06 / 0.2 / 0.8 of the dense GEMM per
-# row; a fused gather about half that. Tune on the GPU.
-MAX_SUPPORT = 64
 NUM_BINS = 256  # 255 bins of a quarter octave, then one for masked entries (weight 0)
 BINS_PER_OCTAVE = 4
 FIXED_BITS = 56  # tail bounds in units of 2^-56 (each term saturated at budget + 1: no overflow)
 
-PATH_NOT_KEPT, PATH_TOP1, PATH_SUPPORT, PATH_STATS_DENSE, PATH_SUPPORT_DENSE = range(5)
-NUM_PATHS = 5
-SPARSE_PATHS = (PATH_TOP1, PATH_SUPPORT)
-DENSE_PATHS = (PATH_STATS_DENSE, PATH_SUPPORT_DENSE)
 LOG2E = 1.4426950408889634
 
 
@@ -164,7 +168,7 @@ class Support:
 
 def lse_margin(lse: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
     """``d = (|lse| + 16) 2^-17`` (fp32), 0 for greedy rows and rows without a finite lse."""
-    d = (lse.abs() + 16.0) * 2.0**-17
+    d = (lse.abs() + LSE_MARGIN_OFFSET) * LSE_MARGIN_SCALE
     return torch.where(greedy | ~torch.isfinite(lse), 0.0, d)
 
 
@@ -326,16 +330,12 @@ def soft_embedding_tail(
     logits, row_request, temperature, lse, embed_weight, normalizer, *,
     tail_eps: float, keep=None, threshold=None, allowed=None, vocab_start: int = 0,
     softcap=None, out=None, out_index=None, argmax=None, entropy=None,
-    max_support: int = MAX_SUPPORT, entropy_vocab: int | None = None,
-    entropy_support: int | None = None,
+    max_support: int = MAX_SUPPORT,
 ) -> tuple[torch.Tensor, Support]:
     """Soft embedding with a tail tolerance, from a backend's three functions: the support
     decision, the dense soft embedding (``soft_embedding_rows``) of the dense rows, then the
     gather of the sparse rows (after the dense pass, which zeroes the rows it does not keep).
-
-    ``entropy_vocab`` / ``entropy_support`` size the tier-2 bound (default: the logits'
-    vocabulary and ``max_support``; a vocabulary slice passes the whole vocabulary and
-    ``world * max_support``). Returns (out, support).
+    Returns (out, support).
     """
     vocab = logits.shape[1]
     v_local = embed_weight.shape[0]
@@ -344,7 +344,7 @@ def soft_embedding_tail(
         raise ValueError("tail_eps 0 is the dense path: call the dense soft embedding")
     h_skip = math.inf
     if entropy is not None:
-        h_skip = entropy_skip_f32(tail_eps, entropy_support or max_support, entropy_vocab or vocab)
+        h_skip = entropy_skip_f32(tail_eps, max_support, vocab)
     support = support_fn(logits, row_request, temperature, lse, tail_eps=tail_eps,
                          bin_weights=weights_on(logits.device), budget=tail_budget(tail_eps),
                          v_local=v_local, vocab_start=vocab_start, max_support=max_support,

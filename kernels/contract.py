@@ -27,6 +27,19 @@ GREEDY_CLAMP = 1e-10
 # (at most 256 (budget + 1)) far from overflow and the error bound meaningful.
 MIN_TAIL_EPS = 2.0**-30
 MAX_TAIL_EPS = 2.0**-4
+# Per-row path of the tail-tolerant soft embedding: not kept, sparse by the top token, sparse by
+# the support pass, dense by the statistics (entropy or a small top probability), dense by the
+# support size. The support pass writes them, the gather and the step's counts read them.
+PATH_NOT_KEPT, PATH_TOP1, PATH_SUPPORT, PATH_STATS_DENSE, PATH_SUPPORT_DENSE = range(5)
+NUM_PATHS = 5
+# K, the largest support the gather takes: a sparse row reads K rows of E where the dense GEMM
+# reads all V; at K = 64 the gather of a row is a small fraction of its share of the GEMM at
+# production shapes (V = 262144, H = 2816), and |S| of peaked rows is far below it.
+MAX_SUPPORT = 64
+# The probability bins are placed against lse -/+ (|lse| + LSE_MARGIN_OFFSET) * LSE_MARGIN_SCALE,
+# a margin above the fp32 error of lse and of the bin arithmetic.
+LSE_MARGIN_OFFSET = 16.0
+LSE_MARGIN_SCALE = 2.0**-17
 
 
 @dataclass

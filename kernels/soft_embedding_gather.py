@@ -23,7 +23,11 @@ import torch
 import triton
 import triton.language as tl
 
+from . import contract
 from .logit_row import LOG2E, interpreting, scaled, softcapped
+
+TOP1 = tl.constexpr(contract.PATH_TOP1)
+SUPPORT = tl.constexpr(contract.PATH_SUPPORT)
 
 
 @triton.jit
@@ -36,7 +40,7 @@ def gather_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     path = tl.load(path_ptr + row).to(tl.int32)
-    if (path == 1) | (path == 2):  # the sparse paths (support.PATH_TOP1, PATH_SUPPORT)
+    if (path == TOP1) | (path == SUPPORT):  # the sparse paths
         count = tl.load(count_ptr + row)
         request = tl.load(row_request_ptr + row).to(tl.int64)
         inv_t = tl.load(inv_t_ptr + request)
@@ -93,7 +97,7 @@ def gather_rows(
         assert out_index.shape == (n_rows,) and out_index.dtype == torch.int64
     if n_rows == 0 or hidden == 0:
         return out
-    inv_t = temperature.to(torch.float32).clamp(min=1e-10).reciprocal()
+    inv_t = contract.inverse_temperature(temperature)
     norm_is_tensor = isinstance(normalizer, torch.Tensor)
     norm_tensor = normalizer.reshape(1).to(logits.device) if norm_is_tensor else lse
     if block_h is None:

@@ -30,14 +30,17 @@ import torch
 import triton
 import triton.language as tl
 
+from . import contract
 from .logit_row import LOG2E, interpreting, scaled, softcapped
 
-# Path codes (dgemma_sampler.support.PATH_*)
-NOT_KEPT = tl.constexpr(0)
-TOP1 = tl.constexpr(1)
-SUPPORT = tl.constexpr(2)
-STATS_DENSE = tl.constexpr(3)
-SUPPORT_DENSE = tl.constexpr(4)
+# Path codes and the lse margin (contract.py)
+NOT_KEPT = tl.constexpr(contract.PATH_NOT_KEPT)
+TOP1 = tl.constexpr(contract.PATH_TOP1)
+SUPPORT = tl.constexpr(contract.PATH_SUPPORT)
+STATS_DENSE = tl.constexpr(contract.PATH_STATS_DENSE)
+SUPPORT_DENSE = tl.constexpr(contract.PATH_SUPPORT_DENSE)
+MARGIN_OFFSET = tl.constexpr(contract.LSE_MARGIN_OFFSET)
+MARGIN_SCALE = tl.constexpr(contract.LSE_MARGIN_SCALE)
 
 
 @triton.jit
@@ -80,7 +83,7 @@ def support_kernel(
     greedy = tl.load(temperature_ptr + request).to(tl.float32) == 0.0
     lse = tl.load(lse_ptr + row)
     finite = tl.abs(lse) < float("inf")
-    d = tl.where(greedy | ~finite, 0.0, (tl.abs(lse) + 16.0) * 0.00000762939453125)  # 2^-17
+    d = tl.where(greedy | ~finite, 0.0, (tl.abs(lse) + MARGIN_OFFSET) * MARGIN_SCALE)
     kept = finite | ~finite  # a true scalar
     if HAS_KEEP:
         kept = tl.load(keep_ptr + row) != 0
@@ -107,7 +110,7 @@ def support_kernel(
     if HAS_ENTROPY:
         filtered = filtered | (tl.load(entropy_ptr + row) > entropy_bound)
 
-    path = tl.full((), 2, tl.int32)  # SUPPORT
+    path = tl.full((), SUPPORT, tl.int32)
     count = tl.full((), -1, tl.int32)
     if kept & finite & ~top1 & ~filtered:
         lse_lo = lse - d
@@ -127,7 +130,7 @@ def support_kernel(
         cut = tl.min(tl.where(suffix <= budget, js, NUM_BINS), axis=0)
         size = tl.sum(tl.where(js < cut, counts, 0), axis=0)
         count = size.to(tl.int32)
-        path = tl.where(size <= K, 2, 4).to(tl.int32)
+        path = tl.where(size <= K, SUPPORT, SUPPORT_DENSE).to(tl.int32)
         if size <= K:
             written = tl.zeros((), tl.int32)
             for start in range(0, v_local, BLOCK_V):
@@ -139,13 +142,13 @@ def support_kernel(
                 pos = written + tl.cumsum(sel, axis=0) - 1
                 tl.store(ids_ptr + row * K + pos, cols.to(tl.int32), mask=sel != 0)
                 written += tl.sum(sel, axis=0)
-    path = tl.where(filtered, 3, path)
+    path = tl.where(filtered, STATS_DENSE, path)
     count = tl.where(filtered, -1, count)
-    path = tl.where(top1, 1, path)
+    path = tl.where(top1, TOP1, path)
     count = tl.where(top1, 1, count)
-    path = tl.where(finite, path, 1)  # nothing kept in the row: an empty S, zero as on the dense path
+    path = tl.where(finite, path, TOP1)  # nothing kept in the row: an empty S, zero as on the dense path
     count = tl.where(finite, count, 0)
-    path = tl.where(kept, path, 0)
+    path = tl.where(kept, path, NOT_KEPT)
     count = tl.where(kept, count, -1)
     tl.store(path_ptr + row, path.to(tl.int8))
     tl.store(count_ptr + row, count)
@@ -163,7 +166,7 @@ def support_rows(
     budget: int,
     v_local: int | None = None,
     vocab_start: int = 0,
-    max_support: int = 64,
+    max_support: int = contract.MAX_SUPPORT,
     keep: torch.Tensor | None = None,
     threshold: torch.Tensor | None = None,
     allowed: torch.Tensor | None = None,
@@ -200,8 +203,7 @@ def support_rows(
     ids = torch.full((n_rows, k), -1, dtype=torch.int32, device=dev)
     if n_rows == 0:
         return path, count, ids
-    # 1 / max(T, 1e-10) in fp32, as reference.inverse_temperature computes it
-    inv_t = temperature.to(torch.float32).clamp(min=1e-10).reciprocal()
+    inv_t = contract.inverse_temperature(temperature)
     interpret = interpreting()
     if block_v is None:
         block_v = 256 if interpret else 2048
