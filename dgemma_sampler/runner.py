@@ -46,7 +46,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from . import envs, reference
+from . import envs, reference, support
 from .config import SamplerConfig
 from .reference import RowStats
 from .state import to_device_int64
@@ -206,6 +206,10 @@ class StepRunner:
         self.hidden_tile_bytes = hidden_tile_bytes
         self.graph_update = bool(graph_update)
         self.stats_fn, self.soft_fn, self.logprobs_fn = backend_functions(backend)
+        if cfg.tail_eps > 0 and embed_weight is not None:
+            # The support pass's bin weights, built here: the first step may run inside a CUDA
+            # graph capture, where a host-to-device copy is not allowed.
+            support.weights_on(torch.device(device))
         self.plans: OrderedDict[tuple, TilePlan] = OrderedDict()
         self.last_tile_requests = 0
         # The schedule temperature of every step count 0..N, computed once by the config's own

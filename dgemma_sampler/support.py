@@ -93,7 +93,8 @@ _WEIGHTS: dict[str, torch.Tensor] = {}
 
 
 def weights_on(device: torch.device) -> torch.Tensor:
-    """``default_bin_weights`` on ``device``, built once per device."""
+    """``default_bin_weights`` on ``device``, built once per device (the runner builds it at
+    set-up, outside any CUDA graph capture)."""
     key = str(device)
     if key not in _WEIGHTS:
         _WEIGHTS[key] = default_bin_weights(device)
@@ -132,6 +133,7 @@ def entropy_skip(tail_eps: float, max_support: int, vocab_size: int) -> float:
     return h_b + a * math.log(k) + eps * math.log(n - k)
 
 
+@functools.cache  # pure in its arguments, asked on every step
 def entropy_skip_f32(tail_eps: float, max_support: int, vocab_size: int) -> float:
     """``entropy_skip`` rounded up to an fp32 value (what the kernel compares against)."""
     h = entropy_skip(tail_eps, max_support, vocab_size)
