@@ -307,3 +307,28 @@ def test_seed_reproduces_tokens_whatever_the_batch(vllm_untouched):
     differs = [not torch.equal(a, b) for a, b in zip(alone, other_seed)]
     assert differs[0]  # the first canvas is drawn from the seed
     assert sum(differs) >= len(differs) // 2
+
+
+def test_soft_embedding_paths_logged_at_debug_only(records):
+    """The per-path row counts are read (a host sync) and logged only when DEBUG is enabled."""
+    common = pytest.importorskip("dgemma_sampler.vllm.common")
+
+    class Rows:
+        def __init__(self):
+            self.read = False
+
+        def tolist(self):
+            self.read = True
+            return [1, 2, 3, 4, 5]
+
+    logger = logging.getLogger("vllm.dgemma_sampler")
+    out = SimpleNamespace(sc_path_rows=Rows())
+    common._log_soft_embedding_paths(out)
+    assert out.sc_path_rows.read
+    assert any(r.levelno == logging.DEBUG and "2 top token" in r.getMessage() for r in records)
+    records.clear()
+    logger.setLevel(logging.INFO)
+    out = SimpleNamespace(sc_path_rows=Rows())
+    common._log_soft_embedding_paths(out)
+    assert not out.sc_path_rows.read and not records
+    common._log_soft_embedding_paths(SimpleNamespace(sc_path_rows=None))

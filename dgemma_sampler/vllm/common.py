@@ -19,11 +19,13 @@ its release's own sampler step by step; the README lists where they deliberately
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
+from vllm.logger import init_logger
 from vllm.model_executor.models import diffusion_gemma as _dg
 from vllm.v1.outputs import LogprobsTensors
 
@@ -33,6 +35,19 @@ from ..keyed_noise import Stream, random_tokens
 from ..ops import resolve_backend
 from ..runner import LogprobRequest, LogprobRows, StepRunner
 from .device import VllmRequestOptions, decode
+
+# A child of vLLM's "vllm" logger, whose handler shows it (and whose level gates it).
+logger = init_logger("vllm.dgemma_sampler")
+
+
+def _log_soft_embedding_paths(out: Any) -> None:
+    """At DEBUG, the step's soft-embedding rows per path (``StepOutput.sc_path_rows``). Reading
+    them is a host sync, so only when the logger would print them."""
+    if out.sc_path_rows is None or not logger.isEnabledFor(logging.DEBUG):
+        return
+    rows = out.sc_path_rows.tolist()
+    logger.debug("soft embedding rows: %d not kept, %d top token, %d support, %d dense by the "
+                 "statistics, %d dense by the support size", *rows)
 
 
 def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -126,7 +141,7 @@ class FusedSampler:
                 num_sampled, project, logits_itemsize) -> None:
         column_tokens = self.diffusion_states.step_allowed  # a shared set: [rows, K] logits
         decode_slots_np = slots_np[decode_idx_np].astype(np.int64)
-        decode(
+        out = decode(
             self.runner, rows, decode_slots=decode_slots_np, decode_idx=decode_idx_np,
             valid=nlogits_np[decode_idx_np], column_tokens=column_tokens,
             vocab=self.vocab_size if column_tokens is None else column_tokens.numel(),
@@ -134,6 +149,7 @@ class FusedSampler:
             all_slots=input_batch.idx_mapping[: input_batch.num_reqs],
             project=project, logits_itemsize=logits_itemsize,
             logprobs=self._logprob_request(slots_np, decode_slots_np, column_tokens))
+        _log_soft_embedding_paths(out)
 
     # ------------------------------------------------------------------ tensor parallelism
     def _sharded_row_stats(self, *args: Any, **kwargs: Any):
