@@ -367,8 +367,8 @@ def soft_embedding_tail(
 
 # Dense rows on Hopper. The Gluon kernel masks dropped rows, so a 128-row tile with one dense
 # row runs its whole K loop; the Triton kernel compacts the kept rows but runs a tile ~1.25x
-# slower. A tile with at least this fraction of its rows dense goes to the Gluon kernel, the
-# other dense rows to the Triton kernel (tune on the GPU: bench_sparse.py, mix families).
+# slower. A tile at least this dense wastes less on the Gluon kernel than the slower kernel
+# costs its rows, so it goes there; the other dense rows go to the Triton kernel.
 WHOLE_TILE_FRACTION = 0.75
 
 
