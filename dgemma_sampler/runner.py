@@ -209,7 +209,7 @@ class StepRunner:
         if cfg.tail_eps > 0 and embed_weight is not None:
             # The support pass's bin weights, built here: the first step may run inside a CUDA
             # graph capture, where a host-to-device copy is not allowed.
-            support.weights_on(torch.device(device))
+            support.weights_on(embed_weight.device)
         self.plans: OrderedDict[tuple, TilePlan] = OrderedDict()
         self.last_tile_requests = 0
         # The schedule temperature of every step count 0..N, computed once by the config's own
