@@ -37,23 +37,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import record  # noqa: E402
 import workloads  # noqa: E402
-from bench_step import device_timer, measure_floor  # noqa: E402
+from bench_step import device_timer, make_sampler, measure_floor  # noqa: E402
 
 import dgemma_sampler as ds  # noqa: E402
 from dgemma_sampler import support as sp  # noqa: E402
 
 PATH_NAMES = ("not_kept", "top1", "support", "stats_dense", "support_dense")
-
-
-def make_sampler(n, canvas, vocab, hidden, embed, tail_eps, backend, device):
-    cfg = ds.SamplerConfig(canvas_length=canvas, confidence_threshold=0.0,
-                           max_denoising_steps=1_000_000, tail_eps=tail_eps)
-    state = ds.DiffusionState(n, cfg, vocab, hidden, device)
-    for s in range(n):
-        state.add_request(s, seed=1000 + s)
-    sampler = ds.DiffusionSampler(cfg, state, embed, float(hidden) ** 0.5, backend=backend)
-    sampler.prefill(list(range(n)))
-    return sampler
 
 
 def support_sizes(logits, ks, temperature, eps):
@@ -84,8 +73,8 @@ def bench_family(family, n, args, embed, backend, device, cuda, gen, floor):
     if family in ("peaked", "broad", "peaked36") or args.sizes_all:
         row["support_size"] = support_sizes(logits, ks, t, args.eps)
     slots = list(range(n))
-    tail = make_sampler(n, args.canvas, args.vocab, args.hidden, embed, args.eps, backend, device)
-    dense = make_sampler(n, args.canvas, args.vocab, args.hidden, embed, 0.0, backend, device)
+    tail = make_sampler(n, args.canvas, args.vocab, args.hidden, embed, backend, device, args.eps)
+    dense = make_sampler(n, args.canvas, args.vocab, args.hidden, embed, backend, device, 0.0)
     out = tail.step(logits, slots)
     paths = out.sc_path_rows.cpu().tolist()
     row["path_fraction"] = {name: paths[i] / rows for i, name in enumerate(PATH_NAMES)}
@@ -140,7 +129,7 @@ def bench_graph(args, embed, backend, device, gen):
     logits, _ = workloads.make_logits("peaked36", 1, args.canvas, args.vocab, args.temperature, gen, device)
     res = {}
     for name, eps in (("tail", args.eps), ("dense", 0.0)):
-        sampler = make_sampler(1, args.canvas, args.vocab, args.hidden, embed, eps, backend, device)
+        sampler = make_sampler(1, args.canvas, args.vocab, args.hidden, embed, backend, device, eps)
         run = sampler.graphable([0])
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
