@@ -28,6 +28,20 @@ def poisoned_row_stats(n, device):
     )
 
 
+def capture_step(run, warm_up):
+    """A CUDA graph of ``run()`` and the output it captured. ``warm_up()`` runs first on a side
+    stream, so that kernels compile and the sampler's own graphs are built outside the capture."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        warm_up()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    return graph, captured
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(1234)

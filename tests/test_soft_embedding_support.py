@@ -13,6 +13,7 @@ import os
 
 import pytest
 import torch
+from conftest import capture_step
 
 import dgemma_sampler as ds
 from dgemma_sampler import reference
@@ -551,16 +552,13 @@ def test_gpu_step_with_support_is_graph_captured():
     source = [peaked_logits(n, canvas, vocab, device=device, seed=s).reshape(n * canvas, vocab)
               for s in range(5)]
     run = graphed.graphable(slots)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
+
+    def warm_up():
         logits.copy_(source[0])
         run(logits)
         eager.step(logits, slots)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = run(logits)
+
+    graph, captured = capture_step(lambda: run(logits), warm_up)
     for s in range(1, 5):
         logits.copy_(source[s])
         graph.replay()

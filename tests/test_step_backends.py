@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from conftest import capture_step
 
 import dgemma_sampler as ds
 
@@ -65,16 +66,13 @@ def test_step_captured_in_cuda_graph_replays_like_eager():
     slots = list(range(1, n + 1))
     logits = torch.empty(n * canvas, vocab, device=device)
     run = graphed.graphable(slots)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up compiles the kernels outside the capture
+
+    def warm_up():
         logits.normal_(generator=gen)
         run(logits)
         eager.step(logits, slots)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = run(logits)
+
+    graph, captured = capture_step(lambda: run(logits), warm_up)
     for _ in range(4):
         logits.normal_(generator=gen).mul_(3)
         graph.replay()
