@@ -20,7 +20,7 @@ half peaked, step <= 0.6 x the dense floor; broad only, step <= 1.03 x the dense
 1 request all peaked, graph-replayed step <= 0.5 ms.
 
     python bench_sparse.py            # ~2-3 minutes on an H100/H200
-    python bench_sparse.py --quick    # 32 requests, 6 families, 5 reps; + the graph replay
+    python bench_sparse.py --quick    # 32 requests, 7 families, 5 reps; + the graph replay
 """
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ def main(argv=None) -> int:
     default_requests = ("32" if args.quick else "1,32") if cuda else "2"
     requests = [int(r) for r in (args.requests or default_requests).split(",")]
     families = (args.families.split(",") if args.families else
-                ["broad", "mix50", "mix50c", "peaked", "peaked36", "trajectory"] if args.quick
+                ["broad", "mix50", "mix50c", "half36", "peaked", "peaked36", "trajectory"] if args.quick
                 else list(workloads.FAMILIES))
     if args.quick:
         args.reps = min(args.reps, 5)

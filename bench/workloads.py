@@ -15,7 +15,8 @@ The model cannot run here, so the shape of its distributions is a knob:
   heavy tail: no support of 64 tokens holds all but 2^-10 of it, so those rows stay dense);
   ``mix50c``: half the rows peaked, clustered (the first half of each request's positions), so
   that 128-row tiles are all sparse or all dense (the Hopper dense kernel skips only whole
-  tiles; ``mix50`` is the interleaved worst case).
+  tiles; ``mix50`` is the interleaved worst case); ``half36``: half the rows peaked with k in
+  3..6, interleaved (every peaked row can take the sparse path).
 
 Logits are returned at temperature 1 (``z * T``): the sampler divides by T again.
 """
@@ -27,7 +28,7 @@ import math
 import torch
 
 ZIPF = 1.1
-FAMILIES = ("broad", "peaked", "mix25", "mix50", "mix75", "trajectory", "peaked36", "mix50c")
+FAMILIES = ("broad", "peaked", "mix25", "mix50", "mix75", "trajectory", "peaked36", "mix50c", "half36")
 
 
 def broad_rows(rows: int, vocab: int, gen: torch.Generator, device) -> torch.Tensor:
@@ -70,7 +71,7 @@ def make_logits(family: str, requests: int, canvas: int, vocab: int, temperature
         frac = torch.zeros(rows)
     elif family in ("peaked", "peaked36"):
         frac = torch.ones(rows)
-    elif family == "mix50c":
+    elif family in ("mix50c", "half36"):
         frac = torch.full((rows,), 0.5)
     elif family.startswith("mix"):
         frac = torch.full((rows,), int(family[3:]) / 100.0)
@@ -82,7 +83,7 @@ def make_logits(family: str, requests: int, canvas: int, vocab: int, temperature
     cpu = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen, device=gen.device)))
     if family == "mix50c":
         peaked = (torch.arange(rows) % canvas) < canvas // 2
-    elif family.startswith("mix"):
+    elif family.startswith("mix") or family == "half36":
         count = round(float(frac[0]) * rows)
         peaked = torch.zeros(rows, dtype=torch.bool)
         peaked[torch.randperm(rows, generator=cpu)[:count]] = True
@@ -95,7 +96,7 @@ def make_logits(family: str, requests: int, canvas: int, vocab: int, temperature
             peaked[i * canvas + pos] = True
     ks = torch.zeros(rows, dtype=torch.int64)
     idx = torch.nonzero(peaked).flatten()
-    low = 3 if family == "peaked36" else 1
+    low = 3 if family in ("peaked36", "half36") else 1
     ks[idx] = torch.arange(idx.numel()) % (7 - low) + low
     logits = broad_rows(rows, vocab, gen, device)
     if idx.numel():
