@@ -296,7 +296,9 @@ def soft_embedding_rows(
     if out is None:
         out = torch.empty(n_rows, hidden, dtype=torch.float32, device=logits.device)
     inv_t = inverse_temperature(temperature)
-    norm = torch.as_tensor(normalizer, device=logits.device).to(torch.float32)
+    # A float stays a float: a device tensor made from it would be a synchronising copy.
+    norm = normalizer.to(logits.device, torch.float32) if isinstance(normalizer, torch.Tensor) \
+        else float(normalizer)
     e32 = embed_weight.to(torch.float32)
     cols = slice(vocab_start, vocab_start + v_local)
     for r0 in range(0, n_rows, chunk_rows):

@@ -307,6 +307,9 @@ class StepRunner:
                 self._stash_logprobs(out, plan, tile_logits, starts[t0:t1] - r0, valid[t0:t1],
                                      softcap, logprobs)
             outputs.append(out)
+            # Drop this tile's logits before the next projection: otherwise two tiles are
+            # alive at its peak.
+            del tile_logits
         return _concat(outputs)
 
     def plan(self, tile_slots: Sequence[int], starts: np.ndarray, valid: np.ndarray,

@@ -90,7 +90,8 @@ class Setup:
             top_p=Buffer(np=p_np, gpu=torch.from_numpy(p_np).to(device)))
         self.runner = StepRunner(
             cfg, self.states, VllmRequestOptions(sampling, self.states, vocab), self.weight, 2.0,
-            backend=backend, vocab_size=vocab, budget_bytes=budget, graph_update=graph_update)
+            backend=backend, vocab_size=vocab, budget_bytes=budget, graph_update=graph_update,
+            hidden_tile_bytes=budget or (1 << 30))  # the test's budget alone sizes the tiles
         self.ref = ds.DiffusionSampler(cfg, self.ref_state, self.weight, 2.0, backend=backend,
                                        graph_update=graph_update)
         self.sampled = torch.full((n, canvas), -1, dtype=torch.int32, device=device)
