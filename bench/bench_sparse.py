@@ -2,8 +2,8 @@
 
 For each number of requests and each workload family (``workloads.py``) it reports, in one run:
 
-* the support size |S| at the default ``tail_eps`` per family (peaked k = 1..6, broad), from
-  the support pass run on every row;
+* per family (peaked k = 1..6, broad) at the default ``tail_eps``, from the support pass run
+  on every row: the fraction of rows with a support of at most K tokens, and its size |S|;
 * the fraction of rows per path of the step (``StepOutput.sc_path_rows``);
 * the soft embedding alone: cuBLAS dense (bf16 probabilities @ E, probabilities given), our
   dense GEMM (``tail_eps = 0``), ours with the tail tolerance (support + dense rows + gather),
@@ -46,7 +46,8 @@ PATH_NAMES = ("not_kept", "top1", "support", "stats_dense", "support_dense")
 
 
 def support_sizes(logits, ks, temperature, eps):
-    """|S| of every row (tiers 1 and 2 off) -> {family: (median, p90, max)}."""
+    """Per family, from the support pass run on every row (tiers 1 and 2 off): the fraction
+    of rows with a support of at most K tokens, and |S| of those (median, p90, max)."""
     rows, vocab = logits.shape
     t = torch.full((1,), temperature, device=logits.device)
     st = ds.row_stats(logits.view(1, rows, vocab), t, torch.zeros(1, dtype=torch.int64, device=logits.device),
@@ -54,13 +55,17 @@ def support_sizes(logits, ks, temperature, eps):
     find = sp.tail_functions(ds.ops.resolve_backend("auto", logits.device))[0]
     res = find(logits, torch.zeros(rows, dtype=torch.int64, device=logits.device), t,
                st.lse.reshape(-1), tail_eps=eps, bin_weights=sp.weights_on(logits.device),
-               budget=sp.tail_budget(eps))
-    count = (res.count if isinstance(res, sp.Support) else res[1]).cpu().float()
+               budget=sp.tail_budget(eps), lowest=sp.lowest_cut(eps, sp.MAX_SUPPORT))
+    res = res if isinstance(res, sp.Support) else sp.Support(*res)
+    count, sparse = res.count.cpu().float(), res.sparse().cpu()
     out = {}
     for k in sorted(set(ks.tolist())):
-        c = count[ks == k]
+        mine = ks == k
+        c = count[mine & sparse]
         name = "broad" if k == 0 else f"peaked_k{k}"
-        out[name] = {"median": float(c.median()), "p90": float(c.quantile(0.9)), "max": float(c.max())}
+        out[name] = {"sparse": float(sparse[mine].float().mean())}
+        if c.numel():
+            out[name].update(median=float(c.median()), p90=float(c.quantile(0.9)), max=float(c.max()))
     return out
 
 
@@ -205,8 +210,9 @@ def main(argv=None) -> int:
                   f"{r.get('se_tail_compact_ms', float('nan')):>11.2f} "
                   f"{r.get('se_tail_masked_ms', float('nan')):>11.2f}")
             if "support_size" in r:
-                print("      |S|: " + ", ".join(f"{k} {v['median']:.0f}/{v['p90']:.0f}"
-                                                for k, v in r["support_size"].items()) + " (median/p90)")
+                print("      sparse, |S| median/p90: " + ", ".join(
+                    f"{k} {100 * v['sparse']:.0f}%" + (f" {v['median']:.0f}/{v['p90']:.0f}" if "median" in v else "")
+                    for k, v in r["support_size"].items()))
         if graph:
             print("1 request, all peaked, graph replay: " +
                   ", ".join(f"{k} {v:.3f} ms" for k, v in graph.items()))

@@ -30,6 +30,15 @@ host synchronisation:
    of tolerance ``eps / 2^(1/4)`` up to the tokens of one bin (tested, not a theorem).
    ``|S| <= K``: sparse, else dense.
 
+   The cut may sit no lower than level ``eps / K`` (``lowest_cut``, bin J). That is what makes
+   the pass cheap: only the "candidates" above that level need their own bins (a peaked row
+   has a handful), everything below adds to one sum. A row that would need a lower cut has a
+   tail bound at J within ``(eps, 2 eps]`` (its S holds at most K tokens of at most ``eps / K``
+   each below J): it goes dense. And a sparse row has fewer than ``2K`` candidates: each
+   candidate left in the tail weighs more than ``eps / K``, so fewer than K of them fit in the
+   budget. So a row with more than ``2K`` candidates is dense without finding its cut, and the
+   kernel stops reading it there.
+
 fp32 rounding: the bins are computed against ``lse - d`` with ``d = (|lse| + 16) 2^-17``,
 which exceeds the fp32 error of ``lse`` and of the bin arithmetic, so every token's bin bound
 holds for its exact probability; tier 1 uses ``lse + d``. Greedy rows take ``d = 0``: their
@@ -42,7 +51,9 @@ so it applies only on the slice that holds it (the others find an empty or small
 
 Path codes per row (``PATH_*``): not kept, sparse by tier 1, sparse by the pass, dense by the
 tier-2 filters, dense by the support size. Rows whose ``lse`` is not finite (nothing kept)
-are sparse with an empty S, i.e. zero, as on the dense path.
+are sparse with an empty S, i.e. zero, as on the dense path. ``count`` is |S| for sparse rows
+and, for rows dense by the pass, the number of candidates capped at ``2K + 1`` (a lower
+bound of |S| where the row has no cut).
 """
 
 from __future__ import annotations
@@ -50,6 +61,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 
 import torch
 
@@ -107,6 +119,17 @@ def slice_tail_eps(tail_eps: float, share: float) -> float:
     ``tail_eps``; 0 (the dense path) where that falls below ``MIN_TAIL_EPS``."""
     eps = tail_eps * share
     return eps if eps >= MIN_TAIL_EPS else 0.0
+
+
+def lowest_cut(tail_eps: float, max_support: int) -> int:
+    """J, the lowest bin a cut may sit at: the smallest j with ``2^(-j/4) <= eps / K``, exact
+    (eps is a binary fraction), at most ``NUM_BINS - 2``. Tokens in bins below J are the
+    candidates of the support pass."""
+    q = (Fraction(max_support) / Fraction(tail_eps)) ** BINS_PER_OCTAVE
+    j = max(0, q.numerator.bit_length() - q.denominator.bit_length() - 1)
+    while (q.denominator << j) < q.numerator:
+        j += 1
+    return min(j, NUM_BINS - 2)
 
 
 def tail_budget(tail_eps: float) -> int:
@@ -183,6 +206,7 @@ def support_rows(
     tail_eps: float,
     bin_weights: torch.Tensor | None = None,
     budget: int | None = None,
+    lowest: int | None = None,
     v_local: int | None = None,
     vocab_start: int = 0,
     max_support: int = MAX_SUPPORT,
@@ -198,7 +222,8 @@ def support_rows(
     """Reference support decision over flat rows (module docstring), for the logits columns
     ``[vocab_start, vocab_start + v_local)``. ``argmax`` [N] int64 (column ids) enables tier 1,
     ``entropy`` [N] fp32 with ``entropy_bound`` (``entropy_skip_f32``) tier 2. ``bin_weights``
-    and ``budget`` default to ``default_bin_weights()`` and ``tail_budget(tail_eps)``."""
+    ``budget`` and ``lowest`` default to ``default_bin_weights()``, ``tail_budget(tail_eps)`` and
+    ``lowest_cut(tail_eps, max_support)``."""
     n_rows, vocab = logits.shape
     v_local = vocab - vocab_start if v_local is None else v_local
     dev = logits.device
@@ -210,6 +235,7 @@ def support_rows(
     greedy_req = temperature.to(torch.float32) == 0
     weights = bin_weights.to(dev) if bin_weights is not None else default_bin_weights(dev)
     budget = tail_budget(tail_eps) if budget is None else budget
+    lowest = lowest_cut(tail_eps, k) if lowest is None else lowest
     cols = slice(vocab_start, vocab_start + v_local)
     local = torch.arange(v_local, device=dev, dtype=torch.int32)
     for r0 in range(0, n_rows, chunk_rows):
@@ -238,11 +264,14 @@ def support_rows(
         t = (torch.minimum(counts, budget // weights.clamp(min=1) + 1) * weights).clamp(max=budget + 1)
         suffix = t.flip(1).cumsum(1).flip(1)  # sum_{j >= c} count_j w_j, exact
         js = torch.arange(NUM_BINS, device=dev)
-        cut = torch.where(suffix <= budget, js, NUM_BINS).min(dim=1).values
+        # the smallest cut at or above the lowest allowed one (NUM_BINS: none)
+        cut = torch.where((suffix <= budget) & (js <= lowest), js, NUM_BINS).min(dim=1).values
         in_s = b < cut.unsqueeze(1)
         size = in_s.sum(dim=1)
-        rows_path = torch.where(size <= k, PATH_SUPPORT, PATH_SUPPORT_DENSE)
-        rows_count = size.to(torch.int32)
+        candidates = (b < lowest).sum(dim=1)
+        sparse = (cut < NUM_BINS) & (size <= k) & (candidates <= 2 * k)
+        rows_path = torch.where(sparse, PATH_SUPPORT, PATH_SUPPORT_DENSE)
+        rows_count = torch.where(sparse, size, candidates.clamp(max=2 * k + 1)).to(torch.int32)
         # tier 2
         filt = torch.zeros_like(finite)
         if entropy is not None:
@@ -349,6 +378,7 @@ def soft_embedding_tail(
         h_skip = entropy_skip_f32(tail_eps, max_support, vocab)
     support = support_fn(logits, row_request, temperature, lse, tail_eps=tail_eps,
                          bin_weights=weights_on(logits.device), budget=tail_budget(tail_eps),
+                         lowest=lowest_cut(tail_eps, max_support),
                          v_local=v_local, vocab_start=vocab_start, max_support=max_support,
                          keep=keep, threshold=threshold, allowed=allowed, softcap=softcap,
                          argmax=argmax, entropy=entropy if h_skip < math.inf else None,

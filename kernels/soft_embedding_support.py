@@ -44,16 +44,20 @@ MARGIN_SCALE = tl.constexpr(contract.LSE_MARGIN_SCALE)
 
 
 @triton.jit
-def _bins(logits_ptr, allowed_ptr, threshold, row, request, cols, v_local, vocab_start,
-          stride_logits, stride_allowed, inv_t, lse_lo,
-          HAS_THRESHOLD: tl.constexpr, HAS_ALLOWED: tl.constexpr, SOFTCAP: tl.constexpr,
+def _load_block(logits_ptr, row, cols, v_local, vocab_start, stride_logits):
+    """A block of a row's logits slice in their own dtype, ``-inf`` past the slice."""
+    return tl.load(logits_ptr + row * stride_logits + vocab_start + cols, mask=cols < v_local,
+                   other=float("-inf"))
+
+
+@triton.jit
+def _bins(x, allowed_ptr, threshold, request, cols, v_local, vocab_start, stride_allowed, inv_t,
+          lse_lo, HAS_THRESHOLD: tl.constexpr, HAS_ALLOWED: tl.constexpr, SOFTCAP: tl.constexpr,
           NUM_BINS: tl.constexpr):
     """Bin of each column of a block: ``clamp(floor(-(z - lse_lo) 4 log2 e), 0, NUM_BINS - 2)``,
     ``NUM_BINS - 1`` for masked entries and columns past the slice."""
     in_slice = cols < v_local
-    x = tl.load(logits_ptr + row * stride_logits + vocab_start + cols, mask=in_slice,
-                other=float("-inf")).to(tl.float32)
-    x = softcapped(x, SOFTCAP)
+    x = softcapped(x.to(tl.float32), SOFTCAP)
     masked = (x != x) | (x == float("-inf")) | ~in_slice  # noqa: PLR0124 (NaN)
     if HAS_THRESHOLD:
         masked = masked | (x < threshold)
@@ -70,12 +74,12 @@ def _bins(logits_ptr, allowed_ptr, threshold, row, request, cols, v_local, vocab
 @triton.jit
 def support_kernel(
     logits_ptr, row_request_ptr, temperature_ptr, inv_t_ptr, lse_ptr, threshold_ptr, allowed_ptr,
-    keep_ptr, argmax_ptr, entropy_ptr, weights_ptr, path_ptr, count_ptr, ids_ptr,
+    keep_ptr, argmax_ptr, entropy_ptr, weights_ptr, path_ptr, count_ptr, ids_ptr, cand_ptr,
     v_local, vocab_start, stride_logits, stride_allowed,
-    tail_eps, budget, entropy_bound, min_top,
+    tail_eps, budget, entropy_bound, min_top, lowest,
     HAS_KEEP: tl.constexpr, HAS_THRESHOLD: tl.constexpr, HAS_ALLOWED: tl.constexpr,
     HAS_ARGMAX: tl.constexpr, HAS_ENTROPY: tl.constexpr, SOFTCAP: tl.constexpr,
-    K: tl.constexpr, NUM_BINS: tl.constexpr, BLOCK_V: tl.constexpr,
+    K: tl.constexpr, CAP: tl.constexpr, NUM_BINS: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     request = tl.load(row_request_ptr + row).to(tl.int64)
@@ -114,34 +118,58 @@ def support_kernel(
     count = tl.full((), -1, tl.int32)
     if kept & finite & ~top1 & ~filtered:
         lse_lo = lse - d
-        counts = tl.zeros((NUM_BINS,), tl.int32)
-        for start in range(0, v_local, BLOCK_V):
+        # Below the lowest cut: per-lane sums of the bin weights, saturated at budget + 1.
+        low = tl.zeros((BLOCK_V,), tl.int64)
+        # Above it: the candidates, (column << 8) | bin in vocabulary order, until there are
+        # more than CAP of them (then the row is dense: stop reading it).
+        n_cand = tl.zeros((), tl.int32)
+        start = tl.zeros((), tl.int32)
+        # The next block is loaded before this one is binned: one block of one program in
+        # flight is too little to stream the row.
+        x_next = _load_block(logits_ptr, row, tl.arange(0, BLOCK_V), v_local, vocab_start,
+                             stride_logits)
+        while (start < v_local) & (n_cand <= CAP):
             cols = start + tl.arange(0, BLOCK_V)
-            b = _bins(logits_ptr, allowed_ptr, threshold, row, request, cols, v_local, vocab_start,
-                      stride_logits, stride_allowed, inv_t, lse_lo,
-                      HAS_THRESHOLD, HAS_ALLOWED, SOFTCAP, NUM_BINS)
-            counts += tl.histogram(b, NUM_BINS)
-        js = tl.arange(0, NUM_BINS)
-        # Saturated tail terms (the cut is unchanged, int64 cannot overflow: the oracle's note)
-        w = tl.load(weights_ptr + js)
-        cap = budget // tl.maximum(w, 1) + 1
-        t = tl.minimum(tl.minimum(counts.to(tl.int64), cap) * w, budget + 1)
-        suffix = tl.sum(t, axis=0) - tl.cumsum(t, axis=0) + t  # sum_{j' >= j}: exact integers
-        cut = tl.min(tl.where(suffix <= budget, js, NUM_BINS), axis=0)
-        size = tl.sum(tl.where(js < cut, counts, 0), axis=0)
-        count = size.to(tl.int32)
-        path = tl.where(size <= K, SUPPORT, SUPPORT_DENSE).to(tl.int32)
-        if size <= K:
-            written = tl.zeros((), tl.int32)
-            for start in range(0, v_local, BLOCK_V):
-                cols = start + tl.arange(0, BLOCK_V)
-                b = _bins(logits_ptr, allowed_ptr, threshold, row, request, cols, v_local,
-                          vocab_start, stride_logits, stride_allowed, inv_t, lse_lo,
-                          HAS_THRESHOLD, HAS_ALLOWED, SOFTCAP, NUM_BINS)
-                sel = (b < cut).to(tl.int32)
-                pos = written + tl.cumsum(sel, axis=0) - 1
-                tl.store(ids_ptr + row * K + pos, cols.to(tl.int32), mask=sel != 0)
-                written += tl.sum(sel, axis=0)
+            x = x_next
+            x_next = _load_block(logits_ptr, row, cols + BLOCK_V, v_local, vocab_start,
+                                 stride_logits)
+            b = _bins(x, allowed_ptr, threshold, request, cols, v_local, vocab_start,
+                      stride_allowed, inv_t, lse_lo, HAS_THRESHOLD, HAS_ALLOWED, SOFTCAP, NUM_BINS)
+            cand = b < lowest
+            w = tl.load(weights_ptr + b)
+            low = tl.minimum(low + tl.where(cand, 0, w), budget + 1)
+            c = cand.to(tl.int32)
+            nc = tl.sum(c, axis=0)
+            if nc > 0:  # most blocks of a peaked row have no candidate
+                pos = n_cand + tl.cumsum(c, axis=0) - 1
+                tl.store(cand_ptr + row * CAP + pos, (cols << 8) | b, mask=cand & (pos < CAP))
+            n_cand += nc
+            start += BLOCK_V
+        # T(J): groups of 32 lanes saturated again, so that the sum fits in int64; exact when
+        # it is <= budget, above budget otherwise.
+        groups = tl.minimum(tl.sum(tl.reshape(low, (BLOCK_V // 32, 32)), axis=1), budget + 1)
+        tail_low = tl.sum(groups, axis=0)
+        path = tl.full((), SUPPORT_DENSE, tl.int32)
+        count = tl.minimum(n_cand, CAP + 1)
+        if (n_cand <= CAP) & (tail_low <= budget):
+            slots = tl.arange(0, CAP)
+            packed = tl.load(cand_ptr + row * CAP + slots, mask=slots < n_cand, other=NUM_BINS - 1)
+            cb = packed & (NUM_BINS - 1)
+            counts = tl.histogram(cb, NUM_BINS)
+            js = tl.arange(0, NUM_BINS)
+            wj = tl.load(weights_ptr + js)
+            # Saturated tail terms (the cut is unchanged, int64 cannot overflow: the oracle's note)
+            cap = budget // tl.maximum(wj, 1) + 1
+            t = tl.where(js < lowest, tl.minimum(tl.minimum(counts.to(tl.int64), cap) * wj, budget + 1), 0)
+            suffix = tail_low + tl.sum(t, axis=0) - tl.cumsum(t, axis=0) + t  # exact integers
+            cut = tl.min(tl.where((suffix <= budget) & (js <= lowest), js, NUM_BINS), axis=0)
+            size = tl.sum(tl.where(js < cut, counts, 0), axis=0)
+            if size <= K:
+                sel = (cb < cut).to(tl.int32)
+                pos = tl.cumsum(sel, axis=0) - 1
+                tl.store(ids_ptr + row * K + pos, packed >> 8, mask=sel != 0)
+                path = tl.full((), SUPPORT, tl.int32)
+                count = size.to(tl.int32)
     path = tl.where(filtered, STATS_DENSE, path)
     count = tl.where(filtered, -1, count)
     path = tl.where(top1, TOP1, path)
@@ -164,6 +192,7 @@ def support_rows(
     tail_eps: float,
     bin_weights: torch.Tensor,
     budget: int,
+    lowest: int,
     v_local: int | None = None,
     vocab_start: int = 0,
     max_support: int = contract.MAX_SUPPORT,
@@ -175,10 +204,12 @@ def support_rows(
     entropy: torch.Tensor | None = None,
     entropy_bound: float = float("inf"),
     block_v: int | None = None,
+    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton twin of ``dgemma_sampler.support.support_rows``: returns (path [N] int8,
-    count [N] int32, ids [N, K] int32 -1 padded). ``bin_weights`` [NUM_BINS] int64 and
-    ``budget`` (eps in 2^-56 units) come from ``dgemma_sampler.support``."""
+    count [N] int32, ids [N, K] int32 -1 padded). ``bin_weights`` [NUM_BINS] int64, ``budget``
+    (eps in 2^-56 units) and ``lowest`` (the lowest cut's bin) come from
+    ``dgemma_sampler.support``. Scratch: ``[N, 2K]`` int32 of candidates."""
     n_rows, vocab = logits.shape
     dev = logits.device
     v_local = vocab - vocab_start if v_local is None else v_local
@@ -191,6 +222,8 @@ def support_rows(
     num_bins = bin_weights.numel()
     assert num_bins & (num_bins - 1) == 0, "the number of bins must be a power of two"
     assert 0 < budget < 2**54, f"budget must be in (0, 2^54) (eps <= 2^-2), got {budget}"
+    assert 0 <= lowest <= num_bins - 2, f"lowest cut {lowest} outside the bins"
+    assert v_local < 2**23, "candidate columns are packed with their bin in an int32"
     for name, t, dt in (("keep", keep, torch.bool), ("threshold", threshold, torch.float32),
                         ("argmax", argmax, torch.int64), ("entropy", entropy, torch.float32)):
         if t is not None:
@@ -203,10 +236,14 @@ def support_rows(
     ids = torch.full((n_rows, k), -1, dtype=torch.int32, device=dev)
     if n_rows == 0:
         return path, count, ids
+    candidates = torch.empty(n_rows, 2 * k, dtype=torch.int32, device=dev)
     inv_t = contract.inverse_temperature(temperature)
     interpret = interpreting()
     if block_v is None:
-        block_v = 256 if interpret else 2048
+        block_v = 256 if interpret else 4096
+    if num_warps is None:
+        # 16 warps x 4096 columns (two blocks in flight, ~120 registers: one program per SM)
+        num_warps = 4 if block_v < 4096 else 16
     placeholder = lse
     support_kernel[(n_rows,)](
         logits, row_request, temperature, inv_t, lse,
@@ -215,12 +252,12 @@ def support_rows(
         placeholder if keep is None else keep.view(torch.uint8),
         placeholder if argmax is None else argmax,
         placeholder if entropy is None else entropy,
-        bin_weights, path, count, ids,
+        bin_weights, path, count, ids, candidates,
         v_local, vocab_start, logits.stride(0), 0 if allowed is None else allowed.stride(0),
-        float(tail_eps), int(budget), float(entropy_bound), (1.0 - tail_eps) / k,
+        float(tail_eps), int(budget), float(entropy_bound), (1.0 - tail_eps) / k, int(lowest),
         HAS_KEEP=keep is not None, HAS_THRESHOLD=threshold is not None,
         HAS_ALLOWED=allowed is not None, HAS_ARGMAX=argmax is not None,
         HAS_ENTROPY=entropy is not None, SOFTCAP=0.0 if softcap is None else float(softcap),
-        K=k, NUM_BINS=num_bins, BLOCK_V=block_v, num_warps=8 if block_v >= 2048 else 4,
+        K=k, CAP=2 * k, NUM_BINS=num_bins, BLOCK_V=block_v, num_warps=num_warps,
     )
     return path, count, ids

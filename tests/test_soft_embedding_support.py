@@ -200,9 +200,11 @@ def test_many_greedy_ties_do_not_overflow_the_tail_sum(backend, ties):
         find = sp.tail_functions(backend)[0]
         s = find(x.reshape(-1, v), torch.zeros(2, dtype=torch.int64, device=DEVICE), t,
                  st.lse.reshape(-1), tail_eps=2.0**-12, bin_weights=sp.weights_on(x.device),
-                 budget=sp.tail_budget(2.0**-12), max_support=k, argmax=st.argmax.reshape(-1))
+                 budget=sp.tail_budget(2.0**-12), lowest=sp.lowest_cut(2.0**-12, k),
+                 max_support=k, argmax=st.argmax.reshape(-1))
         s = s if isinstance(s, sp.Support) else sp.Support(*s)
-        assert s.count.tolist() == [ties, ties]
+        # dense: more than 2K candidates, counted up to 2K + 1
+        assert s.count.tolist() == [ties if ties <= k else min(ties, 2 * k + 1)] * 2
         want_path = sp.PATH_SUPPORT if ties <= k else sp.PATH_SUPPORT_DENSE
         assert s.path.tolist() == [want_path] * 2
     # no entropy: the tier-2 filter would send these rows to the dense path before the pass
@@ -392,7 +394,8 @@ def test_support_kernel_matches_oracle(case):
     h = sp.entropy_skip_f32(EPS, sp.MAX_SUPPORT, v)
     args = (flat, req, t, st.lse.reshape(-1))
     common = dict(tail_eps=EPS, bin_weights=sp.weights_on(flat.device),
-                  budget=sp.tail_budget(EPS), vocab_start=vocab_start, v_local=v_local,
+                  budget=sp.tail_budget(EPS), lowest=sp.lowest_cut(EPS, sp.MAX_SUPPORT),
+                  vocab_start=vocab_start, v_local=v_local,
                   keep=keep, argmax=st.argmax.reshape(-1), entropy=st.entropy.reshape(-1),
                   entropy_bound=h, **kw)
     want = sp.support_rows(*args, **common)
