@@ -210,9 +210,10 @@ def main(argv=None) -> int:
                   f"{r.get('se_tail_compact_ms', float('nan')):>11.2f} "
                   f"{r.get('se_tail_masked_ms', float('nan')):>11.2f}")
             if "support_size" in r:
-                print("      sparse, |S| median/p90: " + ", ".join(
-                    f"{k} {100 * v['sparse']:.0f}%" + (f" {v['median']:.0f}/{v['p90']:.0f}" if "median" in v else "")
-                    for k, v in r["support_size"].items()))
+                sizes = [f"{k} {100 * v['sparse']:.0f}%"
+                         + (f" {v['median']:.0f}/{v['p90']:.0f}" if "median" in v else "")
+                         for k, v in r["support_size"].items()]
+                print("      sparse, |S| median/p90: " + ", ".join(sizes))
         if graph:
             print("1 request, all peaked, graph replay: " +
                   ", ".join(f"{k} {v:.3f} ms" for k, v in graph.items()))
