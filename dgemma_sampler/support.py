@@ -400,6 +400,10 @@ def soft_embedding_tail(
 # slower. A tile at least this dense wastes less on the Gluon kernel than the slower kernel
 # costs its rows, so it goes there; the other dense rows go to the Triton kernel.
 WHOLE_TILE_FRACTION = 0.75
+# Up to this many tiles every dense row goes to the Hopper kernel: the GEMM is then about one
+# wave of output tiles, and a second launch (the Triton kernel's host work) costs more than the
+# masked rows cost the device.
+SPLIT_MIN_TILES = 8
 
 
 def hopper_tile_rows(logits, embed_weight, vocab_start, allowed, softcap) -> int | None:
@@ -418,7 +422,8 @@ def dense_by_tiles(dense_fn, logits, row_request, temperature, lse, embed_weight
                    tile_rows: int | None = None, **kwargs):
     """``dense_fn`` (the Triton backend's ``soft_embedding_rows``) over the rows ``keep`` marks,
     split by tiles of ``tile_rows`` rows (default: the Hopper kernel's, None where it does not
-    run, and then one plain call): the mostly-dense tiles on the Hopper kernel, which writes
+    run, and then one plain call, as for at most ``SPLIT_MIN_TILES`` tiles): the mostly-dense
+    tiles on the Hopper kernel, which writes
     every row (zero where not kept), then the scattered dense rows compacted on the Triton
     kernel, which writes only those rows (``kept_only``) into the same ``out``. No host sync,
     no extra buffer."""
@@ -426,9 +431,9 @@ def dense_by_tiles(dense_fn, logits, row_request, temperature, lse, embed_weight
     args = (logits, row_request, temperature, lse, embed_weight, normalizer)
     if tile_rows is None:
         tile_rows = hopper_tile_rows(logits, embed_weight, vocab_start, allowed, softcap)
-    if tile_rows is None:
-        return dense_fn(*args, keep=keep, out=out, out_index=out_index, **common)
     n = logits.shape[0]
+    if tile_rows is None or n <= SPLIT_MIN_TILES * tile_rows:
+        return dense_fn(*args, keep=keep, out=out, out_index=out_index, **common)
     per_tile = torch.nn.functional.pad(keep, (0, -n % tile_rows)).view(-1, tile_rows).sum(1)
     whole_tile = per_tile >= math.ceil(WHOLE_TILE_FRACTION * tile_rows)
     whole = whole_tile.unsqueeze(1).expand(-1, tile_rows).reshape(-1)[:n]
