@@ -121,6 +121,7 @@ def slice_tail_eps(tail_eps: float, share: float) -> float:
     return eps if eps >= MIN_TAIL_EPS else 0.0
 
 
+@functools.cache  # exact rational arithmetic, asked on every step
 def lowest_cut(tail_eps: float, max_support: int) -> int:
     """J, the lowest bin a cut may sit at: the smallest j with ``2^(-j/4) <= eps / K``, exact
     (eps is a binary fraction), at most ``NUM_BINS - 2``. Tokens in bins below J are the
@@ -182,7 +183,7 @@ class Support:
         return (self.path == PATH_TOP1) | (self.path == PATH_SUPPORT)
 
     def dense(self) -> torch.Tensor:
-        return (self.path == PATH_STATS_DENSE) | (self.path == PATH_SUPPORT_DENSE)
+        return self.path >= PATH_STATS_DENSE  # the two dense codes are the largest: one op
 
     def path_rows(self) -> torch.Tensor:
         """``[NUM_PATHS]`` int64 row counts per path, on the device (no sync)."""

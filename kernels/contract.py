@@ -30,6 +30,7 @@ MAX_TAIL_EPS = 2.0**-4
 # Per-row path of the tail-tolerant soft embedding: not kept, sparse by the top token, sparse by
 # the support pass, dense by the statistics (entropy or a small top probability), dense by the
 # support size. The support pass writes them, the gather and the step's counts read them.
+# (The two dense codes come last: ``path >= PATH_STATS_DENSE`` is the dense mask.)
 PATH_NOT_KEPT, PATH_TOP1, PATH_SUPPORT, PATH_STATS_DENSE, PATH_SUPPORT_DENSE = range(5)
 NUM_PATHS = 5
 # K, the largest support the gather takes: a sparse row reads K rows of E where the dense GEMM
