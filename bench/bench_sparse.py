@@ -10,7 +10,7 @@ For each number of requests and each workload family (``workloads.py``) it repor
   (dense rows split by tiles: mostly-dense 128-row tiles on the Hopper kernel, the rest
   compacted on the Triton kernel, ``support.dense_by_tiles``), and the tail path with all dense
   rows on the Hopper kernel (``*_masked``: it masks dropped rows) or all on the Triton kernel
-  (``*_compact``: it compacts them);
+  (``*_compact``: it compacts them), and the support pass and the gather alone;
 * the whole step with the tail tolerance against the dense-only step, and the floor (one
   logits read + the cuBLAS GEMM) of ``bench_step.measure_floor``;
 * with 1 request, the all-peaked step (k 3..6) replayed from a CUDA graph.
@@ -121,6 +121,20 @@ def bench_family(family, n, args, embed, backend, device, cuda, gen, floor):
         row["se_dense_compact_ms"] = device_timer(
             lambda: compact(flat, req, temp, st.lse.reshape(-1), embed, norm, out=flat_buf),
             2, args.reps, cuda)
+        # the tail path's own passes: the support decision, then the gather of the sparse rows
+        bound = sp.entropy_skip_f32(args.eps, sp.MAX_SUPPORT, args.vocab)
+
+        def decide():
+            return find(flat, req, temp, st.lse.reshape(-1), tail_eps=args.eps,
+                        bin_weights=sp.weights_on(device), budget=sp.tail_budget(args.eps),
+                        lowest=sp.lowest_cut(args.eps, sp.MAX_SUPPORT), argmax=st.argmax.reshape(-1),
+                        entropy=st.entropy.reshape(-1), entropy_bound=bound)
+
+        path, count, ids = decide()
+        row["se_support_ms"] = device_timer(decide, 2, args.reps, cuda)
+        row["se_gather_ms"] = device_timer(
+            lambda: gather(flat, req, temp, st.lse.reshape(-1), embed, norm, path, count, ids,
+                           out=flat_buf), 2, args.reps, cuda)
     if floor:
         row["cublas_ms"] = floor["gemm_ms"]
         row["floor_ms"] = floor["floor_ms"]
