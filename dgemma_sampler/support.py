@@ -25,19 +25,19 @@ host synchronisation:
    bin j has ``p_v <= 2^(-j/4)``. The tail bound of a cut c is ``sum_{j >= c} count_j 2^(-j/4)``,
    summed exactly in 2^-56 fixed point with every weight rounded up (each term saturated at
    ``budget + 1``, which no cut can include: int64 cannot overflow); the cut is the smallest c
-   whose bound is ``<= eps`` and S the tokens of the bins below it, in vocabulary order. A
-   bin's bound is within a factor 2^(1/4) of its mass, so S is no larger than the minimal set
-   of tolerance ``eps / 2^(1/4)`` up to the tokens of one bin (tested, not a theorem).
-   ``|S| <= K``: sparse, else dense.
+   whose bound is ``<= eps`` and S the tokens of the bins below it, in vocabulary order,
+   except that the cut may sit no lower than level ``eps / K`` (``lowest_cut``, bin J).
+   ``|S| <= K``: sparse, else dense. A bin's bound is within a factor 2^(1/4) of its mass, so
+   a sparse row's S is no larger than the minimal set of tolerance ``eps / 2^(1/4)`` up to the
+   tokens of one bin (tested, not a theorem).
 
-   The cut may sit no lower than level ``eps / K`` (``lowest_cut``, bin J). That is what makes
-   the pass cheap: only the "candidates" above that level need their own bins (a peaked row
-   has a handful), everything below adds to one sum. A row that would need a lower cut has a
-   tail bound at J within ``(eps, 2 eps]`` (its S holds at most K tokens of at most ``eps / K``
-   each below J): it goes dense. And a sparse row has fewer than ``2K`` candidates: each
-   candidate left in the tail weighs more than ``eps / K``, so fewer than K of them fit in the
-   budget. So a row with more than ``2K`` candidates is dense without finding its cut, and the
-   kernel stops reading it there.
+   The lowest cut is what makes the pass cheap: only the "candidates" above that level need
+   their own bins (a peaked row has a handful), everything below adds to one sum. A row that
+   would need a lower cut has a tail bound at J within about ``(eps, 2 eps]`` (its S holds at
+   most K tokens of at most ``eps / K`` each below J): it goes dense. And a sparse row has
+   fewer than ``2K`` candidates: each candidate left in the tail weighs more than ``eps / K``,
+   so fewer than K of them fit in the budget. So a row with more than ``2K`` candidates is
+   dense without finding its cut, and the kernel stops reading it there.
 
 fp32 rounding: the bins are computed against ``lse - d`` with ``d = (|lse| + 16) 2^-17``,
 which exceeds the fp32 error of ``lse`` and of the bin arithmetic, so every token's bin bound
@@ -171,8 +171,9 @@ def entropy_skip_f32(tail_eps: float, max_support: int, vocab_size: int) -> floa
 
 @dataclass
 class Support:
-    """Per-row decision: ``path`` [N] int8 (``PATH_*``), ``count`` [N] int32 (|S|; -1 where no
-    pass ran: not kept, filtered), ``ids`` [N, K] int32 (S's columns relative to
+    """Per-row decision: ``path`` [N] int8 (``PATH_*``), ``count`` [N] int32 (|S| of sparse
+    rows; for rows dense by the pass the candidates, at most ``2K + 1``; -1 where no pass ran:
+    not kept, filtered), ``ids`` [N, K] int32 (S's columns relative to
     ``vocab_start`` in vocabulary order for sparse rows, -1 padded)."""
 
     path: torch.Tensor

@@ -10,18 +10,24 @@ scaled as every row kernel does (``logit_row``), ``p_v = exp(z_v - lse)``, and a
 2. tier 2 (no read): ``entropy > entropy_bound``, or (argmax in the slice)
    ``2^((z_argmax - lse + d) log2 e) < (1 - eps) / K``: dense;
 3. otherwise one pass bins every kept entry by ``j = floor(-4 log2 p)`` against ``lse - d``
-   (``tl.histogram``, 255 quarter-octave bins plus one for masked entries), sums the tail bounds
-   ``count_j * w_j`` (``w_j >= 2^(56 - j/4)``, int64, exact; each term saturated at
-   ``budget + 1``, which no cut includes, so nothing overflows) from the top bin down, and cuts at
-   the smallest bin c whose tail bound is ``<= eps 2^56``: ``|S| = sum_{j < c} count_j``. When
-   ``|S| <= K`` a second pass writes S's columns, in vocabulary order, into ``ids[row, :|S|]``.
+   (255 quarter-octave bins plus one for masked entries; a token in bin j has
+   ``p <= 2^(-j/4)``, bound ``w_j >= 2^(56 - j/4)`` in int64). The cut may sit no lower than
+   bin J (``lowest``: level ``eps / K``). Entries in bins ``>= J`` only add ``w_j`` to per-lane
+   sums saturated at ``budget + 1``; the candidates (bins ``< J``) are appended, ``(column << 8)
+   | bin`` in vocabulary order, to a ``[2K]`` scratch row, and the row stops being read once
+   there are more than 2K of them (then it is dense: a sparse row has fewer). From the
+   candidates' histogram and the sum below J (each term saturated at ``budget + 1``, which no
+   cut includes, so nothing overflows) the cut is the smallest bin ``c <= J`` whose tail bound
+   is ``<= eps 2^56``; S is the candidates below it, written to ``ids[row, :|S|]`` when
+   ``|S| <= K``.
 
 ``d = (|lse| + 16) 2^-17`` covers the fp32 error of ``lse`` and of the bin arithmetic (0 for
 greedy rows, whose probabilities are exactly 1 at the tied maxima and 0 elsewhere).
 
-Traffic: tiers 1 and 2 read O(1) per row. A row that runs the pass reads its logits once
-(twice when it turns out sparse: the second read is of a row that is, by then, known to be
-cheap to gather). One program per row; programs of rows that need no pass exit at once.
+Traffic: tiers 1 and 2 read O(1) per row. A row that runs the pass reads its logits once, or
+up to the block where its candidates pass 2K; S comes from the scratch row, not a second read.
+One program per row (the next block is loaded while this one is binned); programs of rows that
+need no pass exit at once.
 """
 
 from __future__ import annotations
@@ -116,6 +122,7 @@ def support_kernel(
 
     path = tl.full((), SUPPORT, tl.int32)
     count = tl.full((), -1, tl.int32)
+    budget = budget.to(tl.int64)  # an int argument below 2^31 arrives as int32: budget + 1 must not wrap
     if kept & finite & ~top1 & ~filtered:
         lse_lo = lse - d
         # Below the lowest cut: per-lane sums of the bin weights, saturated at budget + 1.
@@ -224,6 +231,7 @@ def support_rows(
     assert 0 < budget < 2**54, f"budget must be in (0, 2^54) (eps <= 2^-2), got {budget}"
     assert 0 <= lowest <= num_bins - 2, f"lowest cut {lowest} outside the bins"
     assert v_local < 2**23, "candidate columns are packed with their bin in an int32"
+    assert max_support & (max_support - 1) == 0, "max_support must be a power of two"
     for name, t, dt in (("keep", keep, torch.bool), ("threshold", threshold, torch.float32),
                         ("argmax", argmax, torch.int64), ("entropy", entropy, torch.float32)):
         if t is not None:
@@ -241,6 +249,7 @@ def support_rows(
     interpret = interpreting()
     if block_v is None:
         block_v = 256 if interpret else 4096
+    assert block_v >= 32 and block_v & (block_v - 1) == 0, "block_v: a power of two >= 32"
     if num_warps is None:
         # 16 warps x 4096 columns (two blocks in flight, ~120 registers: one program per SM)
         num_warps = 4 if block_v < 4096 else 16

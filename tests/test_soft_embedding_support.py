@@ -134,13 +134,58 @@ def test_oracle_support_mass_against_float64(softcap):
         order = p[n].sort(descending=True)
         need = int((order.values.cumsum(0) < 1 - EPS / 2**0.25).sum()) + 1
         assert c <= need
-    # the dense rows really need more than K tokens (the filtered ones for the whole eps)
+    # the dense rows really need more than K tokens, or a cut below eps / K (the mass under
+    # that level alone exceeds the tolerance of the bins); the filtered ones for the whole eps
     for n in torch.nonzero(s.path == sp.PATH_SUPPORT_DENSE).flatten().tolist():
-        assert float(p[n].sort(descending=True).values[:sp.MAX_SUPPORT].sum()) < 1 - EPS / 2**0.25
+        top_k = float(p[n].sort(descending=True).values[:sp.MAX_SUPPORT].sum())
+        below = float(p[n][p[n] <= EPS / sp.MAX_SUPPORT].sum())
+        assert top_k < 1 - EPS / 2**0.25 or below > EPS / 2**0.25 * (1 - 1e-4)
     filtered = torch.nonzero(s.path == sp.PATH_STATS_DENSE).flatten().tolist()
     assert filtered  # the broad rows, by their top probability
     for n in filtered:
         assert float(p[n].sort(descending=True).values[:sp.MAX_SUPPORT].sum()) < 1 - EPS
+
+
+def _find(backend, x, t, eps, k=sp.MAX_SUPPORT):
+    """The support decision of ``backend`` over flat rows ``x`` of request 0, tiers 2 off."""
+    lse = torch.logsumexp(x.double() * reference.inverse_temperature(t.cpu()).double().to(x.device),
+                          dim=1).float()
+    s = sp.tail_functions(backend)[0](
+        x, torch.zeros(x.shape[0], dtype=torch.int64, device=x.device), t, lse, tail_eps=eps,
+        bin_weights=sp.weights_on(x.device), budget=sp.tail_budget(eps),
+        lowest=sp.lowest_cut(eps, k), max_support=k)
+    return s if isinstance(s, sp.Support) else sp.Support(*s)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_row_that_needs_a_cut_below_eps_over_k_is_dense(backend):
+    """One head token, 60 tokens at 0.9 eps / K each and a thin tail of 0.5 eps: the 61 tokens
+    would hold all but 0.5 eps, but only with a cut below eps / K. The row is dense, its count
+    the candidates above that level (the head), and the mass below it within (eps, 2 eps]."""
+    v, k = 4000, sp.MAX_SUPPORT
+    p = torch.full((v,), 0.5 * EPS / (v - 61), dtype=torch.float64)
+    p[1:61] = 0.9 * EPS / k
+    p[0] = 1 - float(p[1:].sum())
+    x = p.log().float().unsqueeze(0).to(DEVICE)
+    s = _find(backend, x, torch.ones(1, device=DEVICE), EPS)
+    assert s.path.tolist() == [sp.PATH_SUPPORT_DENSE] and s.count.tolist() == [1]
+    below = float(p[p <= EPS / k].sum())
+    assert EPS < below <= 2 * EPS
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tail_budget_just_below_two_to_the_31(backend):
+    """budget = 2^31 - 1 (eps just below 2^-25): budget + 1 must not wrap in the kernel (an
+    int argument below 2^31 arrives as int32). A head token and a tail of 20 eps under the
+    lowest cut: dense, as the oracle says (the wrapped sum read as sparse with an empty S)."""
+    eps = (2**31 - 1) * 2.0**-56
+    assert sp.tail_budget(eps) == 2**31 - 1
+    v = 4096
+    p = torch.full((v,), 20 * eps / (v - 1), dtype=torch.float64)
+    p[0] = 1 - 20 * eps
+    x = p.log().float().unsqueeze(0).to(DEVICE)
+    s = _find(backend, x, torch.ones(1, device=DEVICE), eps)
+    assert s.path.tolist() == [sp.PATH_SUPPORT_DENSE] and s.count.tolist() == [1]
 
 
 def test_tiers_and_special_rows():
