@@ -53,10 +53,8 @@ def support_sizes(logits, ks, temperature, eps):
     st = ds.row_stats(logits.view(1, rows, vocab), t, torch.zeros(1, dtype=torch.int64, device=logits.device),
                       torch.zeros(1, dtype=torch.int64, device=logits.device))
     find = sp.tail_functions(ds.ops.resolve_backend("auto", logits.device))[0]
-    res = find(logits, torch.zeros(rows, dtype=torch.int64, device=logits.device), t,
-               st.lse.reshape(-1), tail_eps=eps, bin_weights=sp.weights_on(logits.device),
-               budget=sp.tail_budget(eps), lowest=sp.lowest_cut(eps, sp.MAX_SUPPORT))
-    res = res if isinstance(res, sp.Support) else sp.Support(*res)
+    res = sp.decide_support(find, logits, torch.zeros(rows, dtype=torch.int64, device=logits.device),
+                            t, st.lse.reshape(-1), tail_eps=eps)
     count, sparse = res.count.cpu().float(), res.sparse().cpu()
     out = {}
     for k in sorted(set(ks.tolist())):
@@ -125,15 +123,14 @@ def bench_family(family, n, args, embed, backend, device, cuda, gen, floor):
         bound = sp.entropy_skip_f32(args.eps, sp.MAX_SUPPORT, args.vocab)
 
         def decide():
-            return find(flat, req, temp, st.lse.reshape(-1), tail_eps=args.eps,
-                        bin_weights=sp.weights_on(device), budget=sp.tail_budget(args.eps),
-                        lowest=sp.lowest_cut(args.eps, sp.MAX_SUPPORT), argmax=st.argmax.reshape(-1),
-                        entropy=st.entropy.reshape(-1), entropy_bound=bound)
+            return sp.decide_support(find, flat, req, temp, st.lse.reshape(-1), tail_eps=args.eps,
+                                     argmax=st.argmax.reshape(-1), entropy=st.entropy.reshape(-1),
+                                     entropy_bound=bound)
 
-        path, count, ids = decide()
+        s = decide()
         row["se_support_ms"] = device_timer(decide, 2, args.reps, cuda)
         row["se_gather_ms"] = device_timer(
-            lambda: gather(flat, req, temp, st.lse.reshape(-1), embed, norm, path, count, ids,
+            lambda: gather(flat, req, temp, st.lse.reshape(-1), embed, norm, s.path, s.count, s.ids,
                            out=flat_buf), 2, args.reps, cuda)
     if floor:
         row["cublas_ms"] = floor["gemm_ms"]

@@ -358,6 +358,17 @@ def gather_rows(
     return out
 
 
+def decide_support(support_fn, logits, row_request, temperature, lse, *, tail_eps: float,
+                   max_support: int = MAX_SUPPORT, **kwargs) -> Support:
+    """``support_fn`` (``support_rows`` of either backend) with the pass's constants for
+    ``tail_eps`` (bin weights on the logits' device, budget, lowest cut); the result as a
+    ``Support``. ``kwargs``: the other arguments of ``support_rows``."""
+    res = support_fn(logits, row_request, temperature, lse, tail_eps=tail_eps,
+                     bin_weights=weights_on(logits.device), budget=tail_budget(tail_eps),
+                     lowest=lowest_cut(tail_eps, max_support), max_support=max_support, **kwargs)
+    return res if isinstance(res, Support) else Support(*res)
+
+
 def soft_embedding_tail(
     support_fn, dense_fn, gather_fn,
     logits, row_request, temperature, lse, embed_weight, normalizer, *,
@@ -378,15 +389,11 @@ def soft_embedding_tail(
     h_skip = math.inf
     if entropy is not None:
         h_skip = entropy_skip_f32(tail_eps, max_support, vocab)
-    support = support_fn(logits, row_request, temperature, lse, tail_eps=tail_eps,
-                         bin_weights=weights_on(logits.device), budget=tail_budget(tail_eps),
-                         lowest=lowest_cut(tail_eps, max_support),
-                         v_local=v_local, vocab_start=vocab_start, max_support=max_support,
-                         keep=keep, threshold=threshold, allowed=allowed, softcap=softcap,
-                         argmax=argmax, entropy=entropy if h_skip < math.inf else None,
-                         entropy_bound=h_skip)
-    if not isinstance(support, Support):
-        support = Support(*support)
+    support = decide_support(support_fn, logits, row_request, temperature, lse, tail_eps=tail_eps,
+                             max_support=max_support, v_local=v_local, vocab_start=vocab_start,
+                             keep=keep, threshold=threshold, allowed=allowed, softcap=softcap,
+                             argmax=argmax, entropy=entropy if h_skip < math.inf else None,
+                             entropy_bound=h_skip)
     dense_keep = support.dense()
     out = dense_fn(logits, row_request, temperature, lse, embed_weight, normalizer,
                    keep=dense_keep, threshold=threshold, allowed=allowed, vocab_start=vocab_start,

@@ -150,11 +150,9 @@ def _find(backend, x, t, eps, k=sp.MAX_SUPPORT):
     """The support decision of ``backend`` over flat rows ``x`` of request 0, tiers 2 off."""
     lse = torch.logsumexp(x.double() * reference.inverse_temperature(t.cpu()).double().to(x.device),
                           dim=1).float()
-    s = sp.tail_functions(backend)[0](
-        x, torch.zeros(x.shape[0], dtype=torch.int64, device=x.device), t, lse, tail_eps=eps,
-        bin_weights=sp.weights_on(x.device), budget=sp.tail_budget(eps),
-        lowest=sp.lowest_cut(eps, k), max_support=k)
-    return s if isinstance(s, sp.Support) else sp.Support(*s)
+    return sp.decide_support(sp.tail_functions(backend)[0], x,
+                             torch.zeros(x.shape[0], dtype=torch.int64, device=x.device), t, lse,
+                             tail_eps=eps, max_support=k)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -243,11 +241,9 @@ def test_many_greedy_ties_do_not_overflow_the_tail_sum(backend, ties):
     e = torch.randn(v, h, device=DEVICE)
     for k in (sp.MAX_SUPPORT, 256):  # dense by the support size, then sparse over the ties
         find = sp.tail_functions(backend)[0]
-        s = find(x.reshape(-1, v), torch.zeros(2, dtype=torch.int64, device=DEVICE), t,
-                 st.lse.reshape(-1), tail_eps=2.0**-12, bin_weights=sp.weights_on(x.device),
-                 budget=sp.tail_budget(2.0**-12), lowest=sp.lowest_cut(2.0**-12, k),
-                 max_support=k, argmax=st.argmax.reshape(-1))
-        s = s if isinstance(s, sp.Support) else sp.Support(*s)
+        s = sp.decide_support(find, x.reshape(-1, v), torch.zeros(2, dtype=torch.int64, device=DEVICE),
+                              t, st.lse.reshape(-1), tail_eps=2.0**-12, max_support=k,
+                              argmax=st.argmax.reshape(-1))
         # dense: more than 2K candidates, counted up to 2K + 1
         assert s.count.tolist() == [ties if ties <= k else min(ties, 2 * k + 1)] * 2
         want_path = sp.PATH_SUPPORT if ties <= k else sp.PATH_SUPPORT_DENSE
