@@ -6,11 +6,9 @@ For each number of requests and each workload family (``workloads.py``) it repor
   on every row: the fraction of rows with a support of at most K tokens, and its size |S|;
 * the fraction of rows per path of the step (``StepOutput.sc_path_rows``);
 * the soft embedding alone: cuBLAS dense (bf16 probabilities @ E, probabilities given), our
-  dense GEMM (``tail_eps = 0``), ours with the tail tolerance (support + dense rows + gather),
-  (dense rows split by tiles: mostly-dense 128-row tiles on the Hopper kernel, the rest
-  compacted on the Triton kernel, ``support.dense_by_tiles``), and the tail path with all dense
-  rows on the Hopper kernel (``*_masked``: it masks dropped rows) or all on the Triton kernel
-  (``*_compact``: it compacts them), and the support pass and the gather alone;
+  dense GEMM (``tail_eps = 0``), ours with the tail tolerance (support + dense rows compacted
+  + gather), the same two on the Triton kernel instead of the Hopper one (``*_triton``), and
+  the support pass and the gather alone;
 * the whole step with the tail tolerance against the dense-only step, and the floor (one
   logits read + the cuBLAS GEMM) of ``bench_step.measure_floor``;
 * with 1 request, the all-peaked step (k 3..6) replayed from a CUDA graph.
@@ -96,28 +94,20 @@ def bench_family(family, n, args, embed, backend, device, cuda, gen, floor):
         lambda: ds.soft_embedding(x, temp, st.lse, embed, norm, out=buf, tail_eps=args.eps,
                                   argmax=st.argmax, entropy=st.entropy), 2, args.reps, cuda)
     if cuda:
-        # The tail path with every dense row on the Hopper kernel (it masks dropped rows: a
-        # 128-row tile with one dense row runs its whole K loop), then every dense row on the
-        # Triton kernel (it compacts them), and the Triton kernel's dense result.
+        # The Triton kernel in place of the Hopper one, for the dense rows and for all rows.
         from dgemma_sampler.kernels.soft_embedding import soft_embedding_rows
         find, _, gather = sp.tail_functions("triton")
-        compact = functools.partial(soft_embedding_rows, wgmma=False)
+        triton_dense = functools.partial(soft_embedding_rows, wgmma=False)
         flat = logits
-        req = torch.arange(n, device=device).repeat_interleave(args.canvas)
-        row["se_tail_masked_ms"] = device_timer(
-            lambda: sp.soft_embedding_tail(find, soft_embedding_rows, gather, flat, req, temp,
-                                           st.lse.reshape(-1), embed, norm, tail_eps=args.eps,
-                                           out=buf.view(rows, args.hidden),
-                                           argmax=st.argmax.reshape(-1),
-                                           entropy=st.entropy.reshape(-1)), 2, args.reps, cuda)
         flat_buf = buf.view(rows, args.hidden)
-        row["se_tail_compact_ms"] = device_timer(
-            lambda: sp.soft_embedding_tail(find, compact, gather, flat, req, temp, st.lse.reshape(-1),
-                                           embed, norm, tail_eps=args.eps, out=flat_buf,
-                                           argmax=st.argmax.reshape(-1),
+        req = torch.arange(n, device=device).repeat_interleave(args.canvas)
+        row["se_tail_triton_ms"] = device_timer(
+            lambda: sp.soft_embedding_tail(find, triton_dense, gather, flat, req, temp,
+                                           st.lse.reshape(-1), embed, norm, tail_eps=args.eps,
+                                           out=flat_buf, argmax=st.argmax.reshape(-1),
                                            entropy=st.entropy.reshape(-1)), 2, args.reps, cuda)
-        row["se_dense_compact_ms"] = device_timer(
-            lambda: compact(flat, req, temp, st.lse.reshape(-1), embed, norm, out=flat_buf),
+        row["se_dense_triton_ms"] = device_timer(
+            lambda: triton_dense(flat, req, temp, st.lse.reshape(-1), embed, norm, out=flat_buf),
             2, args.reps, cuda)
         # the tail path's own passes: the support decision, then the gather of the sparse rows
         bound = sp.entropy_skip_f32(args.eps, sp.MAX_SUPPORT, args.vocab)
@@ -208,7 +198,7 @@ def main(argv=None) -> int:
         print(f"\n{name}: eps {args.eps:g}, K {sp.MAX_SUPPORT}, T {args.temperature}")
         print(f"{'req':>4} {'family':>10} {'sparse%':>8} {'se cuBLAS':>9} {'se dense':>9} {'se tail':>8} "
               f"{'step dense':>10} {'step tail':>9} {'tail/dense':>10} {'tail/floor':>10} "
-              f"{'se dense cmp':>12} {'se tail cmp':>11} {'se tail msk':>11}")
+              f"{'se dense Triton':>15} {'se tail Triton':>14}")
         for r in results:
             pf = r["path_fraction"]
             sparse = 100 * (pf["top1"] + pf["support"])
@@ -217,9 +207,8 @@ def main(argv=None) -> int:
                   f"{r['se_dense_ms']:>9.2f} {r['se_tail_ms']:>8.2f} {r['step_dense_ms']:>10.2f} "
                   f"{r['step_tail_ms']:>9.2f} {r['step_tail_over_dense']:>10.2f} "
                   f"{r.get('step_tail_over_floor', float('nan')):>10.2f} "
-                  f"{r.get('se_dense_compact_ms', float('nan')):>12.2f} "
-                  f"{r.get('se_tail_compact_ms', float('nan')):>11.2f} "
-                  f"{r.get('se_tail_masked_ms', float('nan')):>11.2f}")
+                  f"{r.get('se_dense_triton_ms', float('nan')):>15.2f} "
+                  f"{r.get('se_tail_triton_ms', float('nan')):>14.2f}")
             if "support_size" in r:
                 sizes = [f"{k} {100 * v['sparse']:.0f}%"
                          + (f" {v['median']:.0f}/{v['p90']:.0f}" if "median" in v else "")

@@ -65,7 +65,7 @@ from fractions import Fraction
 
 import torch
 
-from . import envs, reference
+from . import reference
 from .kernels.contract import (  # noqa: F401 (PATH_*, NUM_PATHS, MAX_SUPPORT: re-exported)
     LSE_MARGIN_OFFSET,
     LSE_MARGIN_SCALE,
@@ -404,60 +404,13 @@ def soft_embedding_tail(
     return out, support
 
 
-# Dense rows on Hopper. The Gluon kernel masks dropped rows, so a 128-row tile with one dense
-# row runs its whole K loop; the Triton kernel compacts the kept rows but runs a tile ~1.25x
-# slower. A tile at least this dense wastes less on the Gluon kernel than the slower kernel
-# costs its rows, so it goes there; the other dense rows go to the Triton kernel.
-WHOLE_TILE_FRACTION = 0.75
-# Up to this many tiles every dense row goes to the Hopper kernel: the GEMM is then about one
-# wave of output tiles, and a second launch (the Triton kernel's host work) costs more than the
-# masked rows cost the device.
-SPLIT_MIN_TILES = 8
-
-
-def hopper_tile_rows(logits, embed_weight, vocab_start, allowed, softcap) -> int | None:
-    """Rows per tile of the Hopper (Gluon) soft embedding where it runs this call, else None."""
-    if logits.device.type != "cuda" or not envs.soft_embedding_wgmma():
-        return None
-    from .kernels.soft_embedding import _wgmma_module
-    module = _wgmma_module()
-    if module is None or not module.supported(logits, embed_weight, vocab_start, allowed, softcap):
-        return None
-    return module.BLOCK_M
-
-
-def dense_by_tiles(dense_fn, logits, row_request, temperature, lse, embed_weight, normalizer, *,
-                   keep, out=None, out_index=None, vocab_start=0, allowed=None, softcap=None,
-                   tile_rows: int | None = None, **kwargs):
-    """``dense_fn`` (the Triton backend's ``soft_embedding_rows``) over the rows ``keep`` marks,
-    split by tiles of ``tile_rows`` rows (default: the Hopper kernel's, None where it does not
-    run, and then one plain call, as for at most ``SPLIT_MIN_TILES`` tiles): the mostly-dense
-    tiles on the Hopper kernel, which writes
-    every row (zero where not kept), then the scattered dense rows compacted on the Triton
-    kernel, which writes only those rows (``kept_only``) into the same ``out``. No host sync,
-    no extra buffer."""
-    common = dict(vocab_start=vocab_start, allowed=allowed, softcap=softcap, **kwargs)
-    args = (logits, row_request, temperature, lse, embed_weight, normalizer)
-    if tile_rows is None:
-        tile_rows = hopper_tile_rows(logits, embed_weight, vocab_start, allowed, softcap)
-    n = logits.shape[0]
-    if tile_rows is None or n <= SPLIT_MIN_TILES * tile_rows:
-        return dense_fn(*args, keep=keep, out=out, out_index=out_index, **common)
-    per_tile = torch.nn.functional.pad(keep, (0, -n % tile_rows)).view(-1, tile_rows).sum(1)
-    whole_tile = per_tile >= math.ceil(WHOLE_TILE_FRACTION * tile_rows)
-    whole = whole_tile.unsqueeze(1).expand(-1, tile_rows).reshape(-1)[:n]
-    out = dense_fn(*args, keep=keep & whole, out=out, out_index=out_index, **common)
-    return dense_fn(*args, keep=keep & ~whole, out=out, out_index=out_index, wgmma=False,
-                    kept_only=True, **common)
-
-
 def tail_functions_for(dense_fn):
     """``tail_functions`` of the backend whose dense soft embedding is ``dense_fn`` (the
     runner's, which may be a wrapper of the Triton one)."""
     if dense_fn is reference.soft_embedding_rows:
         return support_rows, dense_fn, gather_rows
     find, _, gather = tail_functions("triton")
-    return find, functools.partial(dense_by_tiles, dense_fn), gather
+    return find, dense_fn, gather
 
 
 def tail_functions(backend: str):
@@ -467,5 +420,5 @@ def tail_functions(backend: str):
         from .kernels.soft_embedding import soft_embedding_rows
         from .kernels.soft_embedding_gather import gather_rows as gather
         from .kernels.soft_embedding_support import support_rows as find
-        return find, functools.partial(dense_by_tiles, soft_embedding_rows), gather
+        return find, soft_embedding_rows, gather
     return support_rows, reference.soft_embedding_rows, gather_rows

@@ -252,11 +252,10 @@ def _k_loop(logits_ptr, embed_ptr, allowed_ptr, row, live, request, inv_t, neg_l
 @triton.jit
 def _store_tile(acc, out_ptr, out_index_ptr, scratch_ptr, row_order_ptr, kept_count_ptr, norm,
                 m_tile, n_tile, tail_idx, piece, pieces, tail_tiles, n_rows, hidden, stride_out,
-                HAS_KEEP: tl.constexpr, HAS_OUT_INDEX: tl.constexpr, KEPT_ONLY: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCRATCH_N: tl.constexpr):
+                HAS_KEEP: tl.constexpr, HAS_OUT_INDEX: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, SCRATCH_N: tl.constexpr):
     """A whole tile scaled into ``out``, piece 0 of a split tile raw into ``out``, pieces 1..S-1
-    raw into their scratch tile (``BLOCK_M x SCRATCH_N``, row-major). ``KEPT_ONLY``: rows not
-    kept are left alone in ``out`` (another kernel writes them) instead of zeroed."""
+    raw into their scratch tile (``BLOCK_M x SCRATCH_N``, row-major)."""
     cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     if piece > 0:
         slot = ((piece - 1) * tail_tiles + tail_idx).to(tl.int64)
@@ -270,10 +269,7 @@ def _store_tile(acc, out_ptr, out_index_ptr, scratch_ptr, row_order_ptr, kept_co
         value = tl.where(out_live[:, None], acc * scale, 0.0)
         out_row = _out_rows(out_row, out_in_range, out_index_ptr, HAS_OUT_INDEX)
         out_ptrs = out_ptr + out_row[:, None] * stride_out + cols[None, :]
-        row_mask = out_in_range
-        if KEPT_ONLY:
-            row_mask = out_live
-        tl.store(out_ptrs, value, mask=row_mask[:, None] & (cols < hidden)[None, :])
+        tl.store(out_ptrs, value, mask=out_in_range[:, None] & (cols < hidden)[None, :])
 
 
 @triton.jit
@@ -282,10 +278,10 @@ def _tile(logits_ptr, embed_ptr, allowed_ptr, out_ptr, out_index_ptr, scratch_pt
           m_tile, n_tile, tail_idx, piece, pieces, tail_tiles, kb_begin, kb_end, n_rows,
           v_local, hidden, vocab_start, stride_logits, stride_allowed, stride_embed, stride_out,
           HAS_KEEP: tl.constexpr, HAS_THRESHOLD: tl.constexpr, HAS_ALLOWED: tl.constexpr,
-          HAS_OUT_INDEX: tl.constexpr, KEPT_ONLY: tl.constexpr, SOFTCAP: tl.constexpr,
-          INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
-          EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-          BLOCK_K: tl.constexpr, SCRATCH_N: tl.constexpr):
+          HAS_OUT_INDEX: tl.constexpr, SOFTCAP: tl.constexpr, INTERPRET: tl.constexpr,
+          DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+          SCRATCH_N: tl.constexpr):
     """One output tile: the K loop and the store."""
     acc = _k_loop(logits_ptr, embed_ptr, allowed_ptr, row, live, request, inv_t, neg_lse2,
                   threshold, n_tile, kb_begin, kb_end, v_local, hidden, vocab_start,
@@ -294,7 +290,7 @@ def _tile(logits_ptr, embed_ptr, allowed_ptr, out_ptr, out_index_ptr, scratch_pt
                   BLOCK_M, BLOCK_N, BLOCK_K)
     _store_tile(acc, out_ptr, out_index_ptr, scratch_ptr, row_order_ptr, kept_count_ptr, norm,
                 m_tile, n_tile, tail_idx, piece, pieces, tail_tiles, n_rows, hidden, stride_out,
-                HAS_KEEP, HAS_OUT_INDEX, KEPT_ONLY, BLOCK_M, BLOCK_N, SCRATCH_N)
+                HAS_KEEP, HAS_OUT_INDEX, BLOCK_M, BLOCK_N, SCRATCH_N)
 
 
 @triton.jit
@@ -318,7 +314,6 @@ def soft_embedding_kernel(
     DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     HALF_LAST_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    KEPT_ONLY: tl.constexpr = False,
 ):
     # -- program -> output tile and vocabulary range ------------------------------------------
     m_tile, n_tile, tail_idx, piece, pieces = tile_of_program(
@@ -352,7 +347,7 @@ def soft_embedding_kernel(
               threshold, norm, m_tile, n_tile * 2, tail_idx, piece, pieces, tail_tiles,
               kb_begin, kb_end, n_rows, v_local, hidden, vocab_start, stride_logits,
               stride_allowed, stride_embed, stride_out,
-              HAS_KEEP, HAS_THRESHOLD, HAS_ALLOWED, HAS_OUT_INDEX, KEPT_ONLY, SOFTCAP, INTERPRET,
+              HAS_KEEP, HAS_THRESHOLD, HAS_ALLOWED, HAS_OUT_INDEX, SOFTCAP, INTERPRET,
               DOT_PRECISION, EVEN_K, False,
               BLOCK_M, BLOCK_N // 2, BLOCK_K, BLOCK_N)
     else:
@@ -361,7 +356,7 @@ def soft_embedding_kernel(
               threshold, norm, m_tile, n_tile, tail_idx, piece, pieces, tail_tiles,
               kb_begin, kb_end, n_rows, v_local, hidden, vocab_start, stride_logits,
               stride_allowed, stride_embed, stride_out,
-              HAS_KEEP, HAS_THRESHOLD, HAS_ALLOWED, HAS_OUT_INDEX, KEPT_ONLY, SOFTCAP, INTERPRET,
+              HAS_KEEP, HAS_THRESHOLD, HAS_ALLOWED, HAS_OUT_INDEX, SOFTCAP, INTERPRET,
               DOT_PRECISION, EVEN_K, EVEN_N,
               BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_N)
 
@@ -373,11 +368,9 @@ def split_sum_kernel(
     n_tiles_n, dp_head, tail_tiles, split,
     HAS_KEEP: tl.constexpr, NORM_IS_TENSOR: tl.constexpr, HAS_OUT_INDEX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB_M: tl.constexpr,
-    KEPT_ONLY: tl.constexpr = False,
 ):
     """Second stage of split-K: out = normalizer * (piece 0 + piece 1 + ... + piece S-1), in that
-    order, for the rows ``[SUB_M * program_id(1), +SUB_M)`` of tail tile ``program_id(0)``
-    (``KEPT_ONLY``: the kept rows only, as ``_store_tile``)."""
+    order, for the rows ``[SUB_M * program_id(1), +SUB_M)`` of tail tile ``program_id(0)``."""
     tail_idx = tl.program_id(0)
     sub = tl.program_id(1)
     tile = dp_head + tail_idx
@@ -398,8 +391,6 @@ def split_sum_kernel(
         norm = tl.load(norm_ptr).to(tl.float32)
     else:
         norm = norm_value
-    if KEPT_ONLY:
-        mask = mask & live[:, None]
     tl.store(out_ptrs, tl.where(live[:, None], acc * norm, 0.0), mask=mask)
 
 
@@ -582,27 +573,38 @@ _WGMMA = False  # not looked up yet
 
 
 def _launch_wgmma(module, logits, row_request, inv_t, lse, embed_weight, norm_tensor, norm_value,
-                  out, keep, threshold, out_index, vocab_start, sms):
+                  out, keep, threshold, out_index, vocab_start, sms, planned_rows):
     """The Gluon kernel on the same schedule as the Triton one (whole tiles in waves, a split-K
-    tail) and the same split-K merge. Dropped rows are masked, not compacted: all rows plan."""
+    tail), the same compaction of kept rows and the same split-K merge."""
     n_rows = logits.shape[0]
     v_local, hidden = embed_weight.shape
     cfg = TileConfig(module.BLOCK_M, module.BLOCK_N, module.BLOCK_K, module.NUM_WARPS,
                      module.stages_for(logits.dtype, embed_weight.dtype))
-    plan = plan_split(n_rows, n_rows, hidden, v_local, cfg, sms)
+    plan = plan_split(n_rows, planned_rows, hidden, v_local, cfg, sms)
     placeholder = inv_t
     scratch = (torch.empty(plan.scratch_elems, dtype=torch.float32, device=logits.device)
                if plan.scratch_elems else placeholder)
+    row_order, kept_count = _kept_first(keep)
     module.launch(logits, row_request, inv_t, lse, embed_weight, norm_tensor, norm_value, out,
-                  keep=keep, threshold=threshold, out_index=out_index, vocab_start=vocab_start,
-                  plan=plan, scratch=scratch, placeholder=placeholder)
-    _merge_split(plan, cfg, out, out_index, scratch, None, None, norm_tensor, norm_value, n_rows,
-                 hidden, placeholder)
+                  row_order=row_order, kept_count=kept_count, threshold=threshold,
+                  out_index=out_index, vocab_start=vocab_start, plan=plan, scratch=scratch,
+                  placeholder=placeholder)
+    _merge_split(plan, cfg, out, out_index, scratch, row_order, kept_count, norm_tensor,
+                 norm_value, n_rows, hidden, placeholder)
+
+
+def _kept_first(keep: torch.Tensor | None):
+    """(row order, kept count): the kept rows first, in row order (a stable argsort), and their
+    number as a ``[1]`` int32 tensor that stays on the device (no sync); (None, None) without
+    ``keep``."""
+    if keep is None:
+        return None, None
+    return (torch.argsort(keep.logical_not().to(torch.uint8), stable=True),
+            keep.sum(dtype=torch.int32).reshape(1))
 
 
 def _merge_split(plan: SplitPlan, cfg: TileConfig, out, out_index, scratch, row_order, kept_count,
-                 norm_tensor, norm_value: float, n_rows: int, hidden: int, placeholder,
-                 kept_only: bool = False) -> None:
+                 norm_tensor, norm_value: float, n_rows: int, hidden: int, placeholder) -> None:
     """Second stage of split-K (``split_sum_kernel``) where the plan has a split tail
     (``plan_split`` folds S = 1 into the whole tiles). ``row_order`` / ``kept_count``: the
     compacted kept rows of the Triton kernel, or None for rows in order."""
@@ -618,7 +620,7 @@ def _merge_split(plan: SplitPlan, cfg: TileConfig, out, out_index, scratch, row_
         plan.n_tiles_n, plan.dp_head, plan.tail_tiles, plan.split,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SUB_M=sub_m, num_warps=4,
         HAS_OUT_INDEX=out_index is not None, HAS_KEEP=row_order is not None,
-        NORM_IS_TENSOR=norm_tensor is not None, **({"KEPT_ONLY": True} if kept_only else {}),
+        NORM_IS_TENSOR=norm_tensor is not None,
     )
 
 
@@ -685,7 +687,6 @@ def soft_embedding_rows(
     num_sms: int | None = None,
     wgmma: bool | None = None,
     tune: bool = True,
-    kept_only: bool = False,
 ) -> torch.Tensor:
     """Triton twin of ``reference.soft_embedding_rows`` (same arguments, same result; inputs are
     validated by the caller, ``dgemma_sampler.ops``, and only asserted here). The kernel tiles
@@ -705,15 +706,11 @@ def soft_embedding_rows(
     where it applies and no ``config`` is given, False: never, True: always (an error where it
     does not apply). ``tune`` False: the first tile config that fits, unchecked for register
     spills (``_pick_config``). ``dgemma_sampler.ops`` sets both from the environment (``envs``).
-    ``kept_only``: write only the rows ``keep`` marks and leave the others of ``out`` as they are
-    (another kernel writes them into the same buffer; needs ``keep`` and ``out``, not ``wgmma``).
     """
     _check_inputs(logits, row_request, temperature, lse, embed_weight, keep, threshold, allowed,
                   vocab_start, out, out_index, num_kept)
     assert not isinstance(normalizer, torch.Tensor) or normalizer.numel() == 1, normalizer.shape
     assert softcap is None or 0 < softcap < float("inf"), softcap
-    assert not kept_only or (keep is not None and out is not None and not wgmma), \
-        "kept_only needs keep and out, and runs on the Triton kernel"
     n_rows = logits.shape[0]
     v_local, hidden = embed_weight.shape
     dev = logits.device
@@ -730,23 +727,17 @@ def soft_embedding_rows(
     module = _wgmma_module() if wgmma or (wgmma is None and dev.type == "cuda") else None
     fits = module is not None and module.supported(logits, embed_weight, vocab_start, allowed, softcap)
     if wgmma is None:
-        wgmma = fits and config is None and not kept_only
+        wgmma = fits and config is None
     elif wgmma and not fits:
         raise ValueError("the wgmma soft embedding does not support this call (see "
                          "soft_embedding_wgmma.supported)")
+    planned_rows = n_rows if keep is None or num_kept is None else num_kept
     if wgmma:
         _launch_wgmma(module, logits, row_request, inv_t, lse, embed_weight, norm_tensor, norm_value,
-                      out, keep, threshold, out_index, vocab_start, sms)
+                      out, keep, threshold, out_index, vocab_start, sms, planned_rows)
         return out
 
-    if keep is not None:
-        # Kept rows first, in row order; the count stays on the device (no sync).
-        row_order = torch.argsort(keep.logical_not().to(torch.uint8), stable=True)
-        kept_count = keep.sum(dtype=torch.int32).reshape(1)
-        planned_rows = n_rows if num_kept is None else num_kept
-    else:
-        row_order = kept_count = None
-        planned_rows = n_rows
+    row_order, kept_count = _kept_first(keep)
     interpret = interpreting()
     dot_precision = "tf32" if embed_weight.dtype == torch.float32 else "ieee"
     placeholder = inv_t  # any tensor on the device stands in for an absent optional pointer
@@ -757,8 +748,6 @@ def soft_embedding_rows(
         scratch = (torch.empty(plan.scratch_elems, dtype=torch.float32, device=dev)
                    if plan.scratch_elems else placeholder)
         flags = dict(HAS_KEEP=keep is not None, NORM_IS_TENSOR=norm_is_tensor)
-        if kept_only:  # passed only when set: the default specialization stays as it was
-            flags["KEPT_ONLY"] = True
         schedule = (plan.n_tiles_n, plan.dp_head, plan.tail_tiles, plan.split)
         kernel = soft_embedding_kernel[(plan.programs,)](
             logits, row_request, inv_t, lse,
@@ -782,7 +771,7 @@ def soft_embedding_rows(
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
         )
         _merge_split(plan, cfg, out, out_index, scratch, row_order, kept_count, norm_tensor,
-                     norm_value, n_rows, hidden, placeholder, kept_only)
+                     norm_value, n_rows, hidden, placeholder)
         return kernel
 
     if config is None:

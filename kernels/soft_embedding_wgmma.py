@@ -38,12 +38,18 @@ wgmma), not the GEMM around it nor its L2 traffic. Of the operands, E is the one
 in L2 matters: hence the order of whole tiles (``tile_schedule.grouped_tile``), so that the
 programs that share an E tile run side by side.
 
+Rows not kept. With ``keep`` the caller passes a row order, kept rows first, and their count
+(on the device): tiles run over the positions of that order, so the cost follows the kept rows,
+not the tiles they are scattered over, and tiles past the count skip their K loop. TMA loads
+boxes of consecutive rows and cannot gather, so those tiles' logits rows come by ``cp.async``
+from a loader warpgroup (16-byte vectors into the same swizzled stage; each thread's copies
+arrive on the stage's barrier), E still by TMA. Rows not kept are written as zeros.
+
 Scope (``supported``): Hopper, logits fp32/bf16/fp16 whose local slice TMA can address
-(16-byte aligned rows), E bf16/fp16, no ``allowed`` mask, no softcap. ``keep`` masks rows
-(``p = 0``, an all-dropped M-tile skips its K loop) instead of compacting them. Rows past the
-end and the ragged last K block read as zeros from TMA (their ``p`` is 0, and E's padding
-rows are 0). The schedule (whole tiles in waves, a split-K tail) and the split-K merge are
-``soft_embedding.plan_split`` and ``soft_embedding.split_sum_kernel``. Gluon has no
+(16-byte aligned rows), E bf16/fp16, no ``allowed`` mask, no softcap. Rows past the end and the
+ragged last K block read as zeros (TMA's bounds, the copies' masks; their ``p`` is 0, and E's
+padding rows are 0). The schedule (whole tiles in waves, a split-K tail) and the split-K merge
+are ``soft_embedding.plan_split`` and ``soft_embedding.split_sum_kernel``. Gluon has no
 interpreter: on the CPU the Triton kernel runs; this one is tested on the GPU against it.
 """
 
@@ -55,6 +61,7 @@ import torch
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -70,6 +77,8 @@ from .tile_schedule import grouped_tile, tile_of_program
 # Names that changed between Triton 3.6 and 3.9 (module-level aliases are callable in gluon.jit).
 _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 _cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+_copy_rows = (async_copy.async_load if hasattr(async_copy, "async_load")
+              else async_copy.async_copy_global_to_shared)
 
 LOG2E = gl.constexpr(1.4426950408889634)
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 256, 64
@@ -77,6 +86,12 @@ NUM_WARPS = 8  # 2 consumer warpgroups (+ the TMA warp, in a warpgroup of its ow
 # Registers per thread of the consumer warpgroups and of the TMA warp's warpgroup (setmaxnreg;
 # 2 x 128 x 232 + 128 x 40 <= 64K).
 CONSUMER_REGS, LOADER_REGS = 232, 40
+# With a row order the loader warpgroup holds its rows' offsets across the K loop: more
+# registers there, fewer for the consumers (neither spills).
+GATHER_CONSUMER_REGS, GATHER_LOADER_REGS = 216, 72
+# The loader of a tile whose rows a row order lists: a warpgroup (the TMA warp's warpgroup holds
+# its registers anyway), copying GATHER_CHUNK rows per round of cp.async.
+GATHER_WARPS, GATHER_CHUNK = 4, 32
 # Whole tiles run in groups of GROUP_M M-tiles x all N-tiles, M-tile fastest
 # (``tile_schedule.grouped_tile``).
 GROUP_M = 6
@@ -129,13 +144,25 @@ def _probabilities(x, inv_t, neg_lse2, threshold, THRESHOLD: gl.constexpr, dtype
 
 
 @gluon.jit
-def _row_constants(rows, n_rows, row_request_ptr, inv_t_ptr, lse_ptr, threshold_ptr, keep_ptr,
-                   HAS_KEEP: gl.constexpr, HAS_THRESHOLD: gl.constexpr):
-    """Per logits row: live (in range and kept), ``inv_t``, ``-lse * log2(e)`` (-inf on a dead
-    row or a non-finite lse, so that its p is 0) and the threshold (``inv_t`` without one)."""
-    live = rows < n_rows
-    if HAS_KEEP:
-        live = live & (gl.load(keep_ptr + rows, mask=live, other=0) != 0)
+def _tile_rows(pos, n_rows, row_order_ptr, kept_count_ptr, HAS_ROW_ORDER: gl.constexpr):
+    """Logits rows at tile positions ``pos`` (int64) and whether each is live: with a row order
+    (kept rows first) the rows it lists, live up to the kept count; else the positions."""
+    if HAS_ROW_ORDER:
+        live = (pos < n_rows) & (pos < gl.load(kept_count_ptr))
+        rows = gl.load(row_order_ptr + pos, mask=pos < n_rows, other=0).to(gl.int64)
+    else:
+        live = pos < n_rows
+        rows = pos.to(gl.int64)
+    return rows, live
+
+
+@gluon.jit
+def _row_constants(pos, n_rows, row_request_ptr, inv_t_ptr, lse_ptr, threshold_ptr,
+                   row_order_ptr, kept_count_ptr, HAS_ROW_ORDER: gl.constexpr,
+                   HAS_THRESHOLD: gl.constexpr):
+    """Per tile position: live (a row to compute), ``inv_t``, ``-lse * log2(e)`` (-inf on a
+    dead row or a non-finite lse, so that its p is 0) and the threshold (``inv_t`` without one)."""
+    rows, live = _tile_rows(pos, n_rows, row_order_ptr, kept_count_ptr, HAS_ROW_ORDER)
     request = gl.load(row_request_ptr + rows, mask=live, other=0).to(gl.int64)
     inv_t = gl.load(inv_t_ptr + request, mask=live, other=0.0)
     lse = gl.load(lse_ptr + rows, mask=live, other=0.0)
@@ -152,11 +179,13 @@ def _row_constants(rows, n_rows, row_request_ptr, inv_t_ptr, lse_ptr, threshold_
 @gluon.jit
 def _store_acc(acc, row0, tile_row, col0, piece, pieces, tail_idx, tail_tiles, n_rows, hidden,
                stride_out, norm_ptr, norm_value, out_ptr, out_index_ptr, scratch_ptr,
-               BM: gl.constexpr, HAS_OUT_INDEX: gl.constexpr, NORM_IS_TENSOR: gl.constexpr,
+               row_order_ptr, kept_count_ptr, BM: gl.constexpr, HAS_ROW_ORDER: gl.constexpr,
+               HAS_OUT_INDEX: gl.constexpr, NORM_IS_TENSOR: gl.constexpr,
                SCRATCH_N: gl.constexpr):
-    """Epilogue of the accumulator for rows ``[tile_row, tile_row + its rows)`` of the ``BM``-row
-    tile at ``row0``: a whole tile scaled into ``out``; of a split tile, piece 0 raw into ``out``
-    and the others into their scratch slot (``soft_embedding.split_sum_kernel`` adds them)."""
+    """Epilogue of the accumulator for positions ``[tile_row, tile_row + its rows)`` of the
+    ``BM``-row tile at ``row0``: a whole tile scaled into ``out`` (zero for a row not kept); of a
+    split tile, piece 0 raw into ``out`` and the others into their scratch slot
+    (``soft_embedding.split_sum_kernel`` adds them)."""
     layout: gl.constexpr = acc.type.layout
     ROWS: gl.constexpr = acc.shape[0]
     BN: gl.constexpr = acc.shape[1]
@@ -173,15 +202,17 @@ def _store_acc(acc, row0, tile_row, col0, piece, pieces, tail_idx, tail_tiles, n
         else:
             norm = norm_value
         scale = gl.where(pieces > 1, 1.0, norm)
-        out_rows = row0 + tile_rows
-        cols = col0 + tile_cols
-        in_range = out_rows < n_rows
-        dest = out_rows.to(gl.int64)
+        pos = row0 + tile_rows
+        in_range = pos < n_rows
+        dest, live = _tile_rows(pos.to(gl.int64), n_rows, row_order_ptr, kept_count_ptr,
+                                HAS_ROW_ORDER)
         if HAS_OUT_INDEX:
-            dest = gl.load(out_index_ptr + out_rows, mask=in_range, other=0).to(gl.int64)
+            dest = gl.load(out_index_ptr + dest, mask=in_range, other=0).to(gl.int64)
+        cols = col0 + tile_cols
         ptrs = out_ptr + gl.expand_dims(dest * stride_out, 1) + gl.expand_dims(cols, 0)
         mask = gl.expand_dims(in_range, 1) & gl.expand_dims(cols < hidden, 0)
-        gl.store(ptrs, acc * scale, mask=mask)
+        # (a row not kept has p = 0, but 0 * a non-finite E entry would not be 0)
+        gl.store(ptrs, gl.where(gl.expand_dims(live, 1), acc * scale, 0.0), mask=mask)
 
 
 @gluon.jit
@@ -203,6 +234,44 @@ def _loader(descs, smem, tile):
         kb = kb_begin + i
         _tma_load(x_desc, [row0, kb * BK], bar, x_bufs.index(stage))
         _tma_load(e_desc, [kb * BK, col0], bar, e_bufs.index(stage))
+
+
+@gluon.jit
+def _gather_loader(descs, smem, tile, gather, VEC: gl.constexpr, CHUNK: gl.constexpr):
+    """The loader partition (a warpgroup) of a tile whose rows a row order lists: the E tile by
+    TMA as ``_loader``, the logits rows by ``cp.async``, ``CHUNK`` rows of 16-byte vectors at a
+    time (TMA cannot gather rows). Each thread's copies arrive on the stage's ``ready`` barrier
+    when they land; rows past the kept count and columns past the slice are zero-filled."""
+    x_desc, e_desc = descs
+    x_bufs, e_bufs, p_bufs, ready, empty = smem
+    row0, col0, kb_begin, n_k, piece, pieces, tail_idx, tail_tiles = tile
+    x_ptr, stride_x, v_local, n_rows, row_order_ptr, kept_count_ptr = gather
+    STAGES: gl.constexpr = x_bufs.type.shape[0]
+    BM: gl.constexpr = x_bufs.type.shape[1]
+    BK: gl.constexpr = x_bufs.type.shape[2]
+    LANES: gl.constexpr = BK // VEC  # threads per row of the tile
+    layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // LANES, LANES], [gl.num_warps(), 1],
+                                            [1, 0])
+    chunk_pos = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
+    tile_cols = gl.arange(0, BK, layout=gl.SliceLayout(0, layout))
+    for i in range(n_k):
+        stage = i % STAGES
+        mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
+        bar = ready.index(stage)
+        mbarrier.expect(bar, e_desc.block_type.nbytes)
+        kb = kb_begin + i
+        _tma_load(e_desc, [kb * BK, col0], bar, e_bufs.index(stage))
+        cols = kb * BK + tile_cols
+        col_ok = gl.expand_dims(cols < v_local, 0)
+        for c in gl.static_range(BM // CHUNK):
+            # (the row indices again each K step, from L1: kept in registers they would not
+            # fit the loader's budget)
+            pos = (row0 + c * CHUNK + chunk_pos).to(gl.int64)
+            rows, live = _tile_rows(pos, n_rows, row_order_ptr, kept_count_ptr, True)
+            ptrs = x_ptr + gl.expand_dims(rows * stride_x, 1) + gl.expand_dims(cols, 0)
+            _copy_rows(x_bufs.index(stage).slice(c * CHUNK, CHUNK), ptrs,
+                       mask=gl.expand_dims(live, 1) & col_ok)
+        async_copy.mbarrier_arrive(bar, increment_count=False)
 
 
 @gluon.jit
@@ -262,7 +331,7 @@ def _k_loop_register_p(WG: gl.constexpr, WM: gl.constexpr, e_dtype: gl.constexpr
 
 @gluon.jit
 def _consumer(WG: gl.constexpr, descs, smem, tile, row_args, out_args,
-              HAS_THRESHOLD: gl.constexpr, HAS_KEEP: gl.constexpr, HAS_OUT_INDEX: gl.constexpr,
+              HAS_THRESHOLD: gl.constexpr, HAS_ROW_ORDER: gl.constexpr, HAS_OUT_INDEX: gl.constexpr,
               NORM_IS_TENSOR: gl.constexpr, SCRATCH_N: gl.constexpr, VEC: gl.constexpr,
               P_IN_REGISTERS: gl.constexpr):
     """Consumer warpgroup ``WG`` (4 warps): rows ``[64 WG, 64 WG + 64)`` of the tile, its K
@@ -280,11 +349,12 @@ def _consumer(WG: gl.constexpr, descs, smem, tile, row_args, out_args,
         x_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
     else:
         x_layout: gl.constexpr = gl.BlockedLayout([1, VEC], [4, 8], [4, 1], [1, 0])
-    n_rows, row_request_ptr, inv_t_ptr, lse_ptr, threshold_ptr, keep_ptr = row_args
-    rows = row0 + WG * WM + gl.arange(0, WM, layout=gl.SliceLayout(1, x_layout))
+    n_rows, row_request_ptr, inv_t_ptr, lse_ptr, threshold_ptr, row_order_ptr, kept_count_ptr = \
+        row_args
+    pos = (row0 + WG * WM + gl.arange(0, WM, layout=gl.SliceLayout(1, x_layout))).to(gl.int64)
     live, inv_t, neg_lse2, threshold = _row_constants(
-        rows, n_rows, row_request_ptr, inv_t_ptr, lse_ptr, threshold_ptr, keep_ptr, HAS_KEEP,
-        HAS_THRESHOLD)
+        pos, n_rows, row_request_ptr, inv_t_ptr, lse_ptr, threshold_ptr, row_order_ptr,
+        kept_count_ptr, HAS_ROW_ORDER, HAS_THRESHOLD)
     acc = gl.zeros([WM, BN], gl.float32, layout=mma_layout)
     # Pin the zeros before the loop's zero-trip branch: otherwise LLVM sinks a second zero
     # accumulator into the path that skips the loop, and ptxas, seeing non-wgmma definitions
@@ -297,17 +367,19 @@ def _consumer(WG: gl.constexpr, descs, smem, tile, row_args, out_args,
         acc = _k_loop_shared_p(WG, WM, e_desc.dtype, smem, n_k, acc, inv_t, neg_lse2, threshold,
                                x_layout, HAS_THRESHOLD)
     _store_acc(acc, row0, WG * WM, col0, piece, pieces, tail_idx, tail_tiles, n_rows, hidden,
-               stride_out, norm_ptr, norm_value, out_ptr, out_index_ptr, scratch_ptr, BM,
-               HAS_OUT_INDEX, NORM_IS_TENSOR, SCRATCH_N)
+               stride_out, norm_ptr, norm_value, out_ptr, out_index_ptr, scratch_ptr,
+               row_order_ptr, kept_count_ptr, BM, HAS_ROW_ORDER, HAS_OUT_INDEX, NORM_IS_TENSOR,
+               SCRATCH_N)
 
 
 @gluon.jit
-def _program_tile(n_rows, v_local, keep_ptr, n_tiles_n, dp_head, tail_tiles, split,
-                  BM: gl.constexpr, BK: gl.constexpr, GROUP: gl.constexpr, HAS_KEEP: gl.constexpr):
+def _program_tile(n_rows, v_local, kept_count_ptr, n_tiles_n, dp_head, tail_tiles, split,
+                  BM: gl.constexpr, BK: gl.constexpr, GROUP: gl.constexpr,
+                  HAS_ROW_ORDER: gl.constexpr):
     """This program's share of ``soft_embedding.plan_split``'s schedule: ``(row0, n_tile,
-    kb_begin, n_k, piece, pieces, tail_idx)``, the tile's first row, its N-tile, and the
-    ``n_k`` K blocks from ``kb_begin`` (0 when every row of the tile is dropped, so that the
-    tile skips its K loop; every partition sees the same n_k)."""
+    kb_begin, n_k, piece, pieces, tail_idx)``, the tile's first position, its N-tile, and the
+    ``n_k`` K blocks from ``kb_begin`` (0 for a tile past the kept count, so that it skips its
+    K loop; every partition sees the same n_k)."""
     m_tile, n_tile, tail_idx, piece, pieces = tile_of_program(
         gl.program_id(0), n_tiles_n, dp_head, tail_tiles, split)
     k_blocks = gl.cdiv(v_local, BK)
@@ -316,32 +388,33 @@ def _program_tile(n_rows, v_local, keep_ptr, n_tiles_n, dp_head, tail_tiles, spl
     # Which programs run side by side changes what the L2 serves them (GROUP_M).
     m_tile, n_tile = grouped_tile(m_tile, n_tile, dp_head, n_tiles_n, GROUP)
     row0 = m_tile * BM
-    rows = row0 + gl.arange(0, BM, layout=gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))
-    live = rows < n_rows
-    if HAS_KEEP:
-        live = live & (gl.load(keep_ptr + rows, mask=live, other=0) != 0)
-    n_k = gl.where(gl.max(live.to(gl.int32), 0) > 0, kb_end - kb_begin, 0)
+    n_k = kb_end - kb_begin
+    if HAS_ROW_ORDER:
+        n_k = gl.where(row0 < gl.load(kept_count_ptr), n_k, 0)
     return row0, n_tile, kb_begin, n_k, piece, pieces, tail_idx
 
 
 @gluon.jit
 def soft_embedding_wgmma_kernel(
     x_desc, e_desc,                               # TMA: local logits [N, V_local], E [V_local, H]
-    row_request_ptr, inv_t_ptr, lse_ptr, threshold_ptr, keep_ptr,
+    x_ptr, stride_x,                              # the local logits again, for the row gather
+    row_request_ptr, inv_t_ptr, lse_ptr, threshold_ptr, row_order_ptr, kept_count_ptr,
     norm_ptr, out_ptr, out_index_ptr, scratch_ptr,
     n_rows, v_local, hidden, stride_out, norm_value,
     n_tiles_n, dp_head, tail_tiles, split,        # schedule: soft_embedding.plan_split
-    HAS_THRESHOLD: gl.constexpr, HAS_KEEP: gl.constexpr, HAS_OUT_INDEX: gl.constexpr,
+    HAS_THRESHOLD: gl.constexpr, HAS_ROW_ORDER: gl.constexpr, HAS_OUT_INDEX: gl.constexpr,
     NORM_IS_TENSOR: gl.constexpr, STAGES: gl.constexpr, SCRATCH_N: gl.constexpr,
     VEC: gl.constexpr, P_SWIZZLE: gl.constexpr, P_IN_REGISTERS: gl.constexpr, GROUP: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, GATHER_WARPS: gl.constexpr,
+    GATHER_CHUNK: gl.constexpr,
 ):
     BM: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     BN: gl.constexpr = e_desc.block_type.shape[1]
 
     row0, n_tile, kb_begin, n_k, piece, pieces, tail_idx = _program_tile(
-        n_rows, v_local, keep_ptr, n_tiles_n, dp_head, tail_tiles, split, BM, BK, GROUP, HAS_KEEP)
+        n_rows, v_local, kept_count_ptr, n_tiles_n, dp_head, tail_tiles, split, BM, BK, GROUP,
+        HAS_ROW_ORDER)
     col0 = n_tile * BN
 
     x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK], x_desc.layout)
@@ -351,25 +424,39 @@ def soft_embedding_wgmma_kernel(
     p_bufs = gl.allocate_shared_memory(e_desc.dtype, [4, BM // 2, BK], p_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    # A stage is ready after the loader's expect and the TMA bytes, and with a row order once
+    # each loader thread's row copies have landed (one arrive per thread).
+    READY_ARRIVALS: gl.constexpr = 1 + (32 * GATHER_WARPS if HAS_ROW_ORDER else 0)
     for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)  # the loader's expect + the TMA bytes
+        mbarrier.init(ready.index(s), count=READY_ARRIVALS)
         mbarrier.init(empty.index(s), count=2)  # one arrive per consumer warpgroup
     fence_async_shared()
 
     descs = (x_desc, e_desc)
     smem = (x_bufs, e_bufs, p_bufs, ready, empty)
     tile = (row0, col0, kb_begin, n_k, piece, pieces, tail_idx, tail_tiles)
-    row_args = (n_rows, row_request_ptr, inv_t_ptr, lse_ptr, threshold_ptr, keep_ptr)
+    row_args = (n_rows, row_request_ptr, inv_t_ptr, lse_ptr, threshold_ptr, row_order_ptr,
+                kept_count_ptr)
     out_args = (hidden, stride_out, norm_ptr, norm_value, out_ptr, out_index_ptr, scratch_ptr)
     # (constexprs go to the partitions as arguments of their own: inside a tuple they would
     # arrive as tensors)
-    gl.warp_specialize([
-        (_consumer, (0, descs, smem, tile, row_args, out_args, HAS_THRESHOLD, HAS_KEEP,  # own warps
-                     HAS_OUT_INDEX, NORM_IS_TENSOR, SCRATCH_N, VEC, P_IN_REGISTERS)),
-        (_consumer, (1, descs, smem, tile, row_args, out_args, HAS_THRESHOLD, HAS_KEEP,
-                     HAS_OUT_INDEX, NORM_IS_TENSOR, SCRATCH_N, VEC, P_IN_REGISTERS)),
-        (_loader, (descs, smem, tile)),
-    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+    if HAS_ROW_ORDER:
+        gather = (x_ptr, stride_x, v_local, n_rows, row_order_ptr, kept_count_ptr)
+        gl.warp_specialize([
+            (_consumer, (0, descs, smem, tile, row_args, out_args, HAS_THRESHOLD, True,  # own warps
+                         HAS_OUT_INDEX, NORM_IS_TENSOR, SCRATCH_N, VEC, P_IN_REGISTERS)),
+            (_consumer, (1, descs, smem, tile, row_args, out_args, HAS_THRESHOLD, True,
+                         HAS_OUT_INDEX, NORM_IS_TENSOR, SCRATCH_N, VEC, P_IN_REGISTERS)),
+            (_gather_loader, (descs, smem, tile, gather, VEC, GATHER_CHUNK)),
+        ], [4, GATHER_WARPS], [CONSUMER_REGS, LOADER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (0, descs, smem, tile, row_args, out_args, HAS_THRESHOLD, False,
+                         HAS_OUT_INDEX, NORM_IS_TENSOR, SCRATCH_N, VEC, P_IN_REGISTERS)),
+            (_consumer, (1, descs, smem, tile, row_args, out_args, HAS_THRESHOLD, False,
+                         HAS_OUT_INDEX, NORM_IS_TENSOR, SCRATCH_N, VEC, P_IN_REGISTERS)),
+            (_loader, (descs, smem, tile)),
+        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
         mbarrier.invalidate(empty.index(s))
@@ -436,22 +523,31 @@ def tile_descriptors(logits, embed_weight, vocab_start: int, x_box: tuple, e_box
 
 
 def launch(logits, row_request, inv_t, lse, embed_weight, norm_tensor, norm_value, out, *,
-           keep, threshold, out_index, vocab_start, plan, scratch, placeholder):
+           row_order, kept_count, threshold, out_index, vocab_start, plan, scratch, placeholder):
     """Launch for one call of ``soft_embedding.soft_embedding_rows`` (inputs checked there) on
-    ``plan`` (``soft_embedding.plan_split``); ``placeholder`` stands in for absent tensors."""
+    ``plan`` (``soft_embedding.plan_split``); ``row_order`` (int64, kept rows first) with
+    ``kept_count`` ([1] int32 on the device), or both None for every row in order;
+    ``placeholder`` stands in for absent tensors."""
+    assert (row_order is None) == (kept_count is None), "row_order and kept_count go together"
     descs = tile_descriptors(logits, embed_weight, vocab_start, (BLOCK_M, BLOCK_K), (BLOCK_K, BLOCK_N))
+    v_local = embed_weight.shape[0]
     return soft_embedding_wgmma_kernel[(plan.programs,)](
-        *descs, row_request, inv_t, lse,
+        *descs, logits[:, vocab_start:vocab_start + v_local], logits.stride(0),
+        row_request, inv_t, lse,
         placeholder if threshold is None else threshold,
-        placeholder if keep is None else keep,
+        placeholder if row_order is None else row_order,
+        placeholder if kept_count is None else kept_count,
         placeholder if norm_tensor is None else norm_tensor,
         out, placeholder if out_index is None else out_index, scratch,
-        logits.shape[0], embed_weight.shape[0], embed_weight.shape[1], out.stride(0), norm_value,
+        logits.shape[0], v_local, embed_weight.shape[1], out.stride(0), norm_value,
         plan.n_tiles_n, plan.dp_head, plan.tail_tiles, plan.split,
-        HAS_THRESHOLD=threshold is not None, HAS_KEEP=keep is not None,
+        HAS_THRESHOLD=threshold is not None, HAS_ROW_ORDER=row_order is not None,
         HAS_OUT_INDEX=out_index is not None, NORM_IS_TENSOR=norm_tensor is not None,
         STAGES=stages_for(logits.dtype, embed_weight.dtype), SCRATCH_N=BLOCK_N,
         VEC=16 // logits.element_size(), P_SWIZZLE=_p_swizzle(logits.element_size()),
         P_IN_REGISTERS=p_in_registers(logits.dtype), GROUP=GROUP_M,
-        CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4,
+        CONSUMER_REGS=GATHER_CONSUMER_REGS if row_order is not None else CONSUMER_REGS,
+        LOADER_REGS=GATHER_LOADER_REGS if row_order is not None else LOADER_REGS,
+        GATHER_WARPS=GATHER_WARPS,
+        GATHER_CHUNK=GATHER_CHUNK, num_warps=4,
     )

@@ -480,35 +480,6 @@ def test_gather_kernel_matches_oracle_and_is_batch_independent():
     assert torch.equal(alone[2], got[n])
 
 
-@needs_triton
-@pytest.mark.parametrize("with_index", [False, True])
-def test_dense_rows_split_by_tiles_add_up(with_index):
-    """Mostly-dense tiles on one call, scattered rows compacted on another that writes only
-    them (``kept_only``) into the same ``out``: the plain dense result (``tile_rows`` forced,
-    so the interpreter runs the Triton kernel twice)."""
-    from dgemma_sampler.kernels.soft_embedding import soft_embedding_rows
-
-    n, v, h = 37, 300, 40
-    x = torch.randn(n, v, device=DEVICE) * 2
-    req = torch.zeros(n, dtype=torch.int64, device=DEVICE)
-    t = torch.tensor([0.7], device=DEVICE)
-    lse = torch.logsumexp(x / 0.7, dim=1)
-    e = torch.randn(v, h, device=DEVICE).to(torch.bfloat16)
-    keep = torch.rand(n, device=DEVICE) < 0.5
-    keep[:8] = True  # two whole tiles of 4
-    assert n > sp.SPLIT_MIN_TILES * 4  # so that the rows are split
-    out_index = torch.randperm(n + 3, device=DEVICE)[:n] if with_index else None
-    size = n + 3 if with_index else n
-    want = torch.full((size, h), 7.0, device=DEVICE)
-    soft_embedding_rows(x, req, t, lse, e, 2.0, keep=keep, out=want, out_index=out_index)
-    got = torch.full((size, h), 7.0, device=DEVICE)
-    sp.dense_by_tiles(soft_embedding_rows, x, req, t, lse, e, 2.0, keep=keep, out=got,
-                      out_index=out_index, tile_rows=4)
-    # on the GPU the split runs the Hopper and the Triton kernel: other summation orders
-    tol = 1e-5 if INTERPRET else 2e-3
-    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_production_vocabulary(dtype):

@@ -4,8 +4,8 @@ Triton compiles for a target it is told, and ptxas ships in the wheel: with the 
 replaced by a stand-in that names an H100/H200 (sm_90) and launches turned into warm-ups,
 ``soft_embedding_wgmma.launch`` compiles exactly what it would run, and ptxas reports the
 registers, spills and shared memory of each specialization (fp32 / bf16 / fp16 logits, with
-and without a top-k/top-p threshold). Use it to check a kernel change before spending device
-time; speed still needs the GPU.
+and without a top-k/top-p threshold, rows in order or gathered by a row order). Use it to
+check a kernel change before spending device time; speed still needs the GPU.
 
 The device runs Triton 3.6; to compile with that version here, put its wheel in a virtualenv
 of its own and borrow torch and this package from the project's ``.venv``:
@@ -175,11 +175,15 @@ def main() -> None:
         cfg = se.TileConfig(wg.BLOCK_M, wg.BLOCK_N, wg.BLOCK_K, wg.NUM_WARPS,
                             wg.stages_for(dtype, embed.dtype))
         plan = se.plan_split(n, n, h, v, cfg, 132)
-        for threshold in (None, lse):
-            kernel = wg.launch(logits, row_request, inv_t, lse, embed, None, 1.0, out, keep=None,
-                               threshold=threshold, out_index=None, vocab_start=0, plan=plan,
-                               scratch=inv_t, placeholder=inv_t)
-            name = f"{str(dtype).replace('torch.', '')}{'_threshold' if threshold is not None else ''}"
+        order, count = torch.arange(n), torch.full((1,), n, dtype=torch.int32)
+        for threshold, gather in ((None, False), (lse, False), (None, True)):
+            kernel = wg.launch(logits, row_request, inv_t, lse, embed, None, 1.0, out,
+                               row_order=order if gather else None,
+                               kept_count=count if gather else None, threshold=threshold,
+                               out_index=None, vocab_start=0, plan=plan, scratch=inv_t,
+                               placeholder=inv_t)
+            name = (str(dtype).replace('torch.', '') + ("_threshold" if threshold is not None else "")
+                    + ("_row_order" if gather else ""))
             with tempfile.TemporaryDirectory() as tmp:
                 cubin = os.path.join(tmp, "k.cubin")
                 report, lines = assemble(ptxas, kernel.asm["ptx"], cubin)
