@@ -90,8 +90,8 @@ CONSUMER_REGS, LOADER_REGS = 232, 40
 # registers there, fewer for the consumers (neither spills).
 GATHER_CONSUMER_REGS, GATHER_LOADER_REGS = 216, 72
 # The loader of a tile whose rows a row order lists: a warpgroup (the TMA warp's warpgroup holds
-# its registers anyway), copying GATHER_CHUNK rows per round of cp.async.
-GATHER_WARPS, GATHER_CHUNK = 4, 32
+# its registers anyway).
+GATHER_WARPS = 4
 # Whole tiles run in groups of GROUP_M M-tiles x all N-tiles, M-tile fastest
 # (``tile_schedule.grouped_tile``).
 GROUP_M = 6
@@ -237,11 +237,14 @@ def _loader(descs, smem, tile):
 
 
 @gluon.jit
-def _gather_loader(descs, smem, tile, gather, VEC: gl.constexpr, CHUNK: gl.constexpr):
+def _gather_loader(descs, smem, tile, gather, VEC: gl.constexpr):
     """The loader partition (a warpgroup) of a tile whose rows a row order lists: the E tile by
-    TMA as ``_loader``, the logits rows by ``cp.async``, ``CHUNK`` rows of 16-byte vectors at a
-    time (TMA cannot gather rows). Each thread's copies arrive on the stage's ``ready`` barrier
-    when they land; rows past the kept count and columns past the slice are zero-filled."""
+    TMA as ``_loader``, the logits rows by ``cp.async`` of 16-byte vectors (TMA cannot gather
+    rows). The tile's row offsets are read once, before the K loop. Each thread's copies
+    arrive on the stage's ``ready`` barrier when they land; rows past the kept count read as
+    zeros, and so do vectors past the slice's end. A vector that straddles the end is read
+    whole (a copy's mask must be uniform over its 16 bytes): it stays inside the row's
+    16-byte aligned span, and its columns past the end meet E's zero padding rows."""
     x_desc, e_desc = descs
     x_bufs, e_bufs, p_bufs, ready, empty = smem
     row0, col0, kb_begin, n_k, piece, pieces, tail_idx, tail_tiles = tile
@@ -252,8 +255,13 @@ def _gather_loader(descs, smem, tile, gather, VEC: gl.constexpr, CHUNK: gl.const
     LANES: gl.constexpr = BK // VEC  # threads per row of the tile
     layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // LANES, LANES], [gl.num_warps(), 1],
                                             [1, 0])
-    chunk_pos = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
-    tile_cols = gl.arange(0, BK, layout=gl.SliceLayout(0, layout))
+    pos = (row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))).to(gl.int64)
+    rows, live = _tile_rows(pos, n_rows, row_order_ptr, kept_count_ptr, True)
+    row_ptrs = gl.expand_dims(x_ptr + rows * stride_x, 1)
+    live = gl.expand_dims(live, 1)
+    # each vector's first column: the mask is uniform over a vector, so the copies stay 16 bytes
+    vec_cols = gl.arange(0, BK, layout=gl.SliceLayout(0, layout)) // VEC * VEC
+    cols = gl.arange(0, BK, layout=gl.SliceLayout(0, layout))
     for i in range(n_k):
         stage = i % STAGES
         mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
@@ -261,16 +269,8 @@ def _gather_loader(descs, smem, tile, gather, VEC: gl.constexpr, CHUNK: gl.const
         mbarrier.expect(bar, e_desc.block_type.nbytes)
         kb = kb_begin + i
         _tma_load(e_desc, [kb * BK, col0], bar, e_bufs.index(stage))
-        cols = kb * BK + tile_cols
-        col_ok = gl.expand_dims(cols < v_local, 0)
-        for c in gl.static_range(BM // CHUNK):
-            # (the row indices again each K step, from L1: kept in registers they would not
-            # fit the loader's budget)
-            pos = (row0 + c * CHUNK + chunk_pos).to(gl.int64)
-            rows, live = _tile_rows(pos, n_rows, row_order_ptr, kept_count_ptr, True)
-            ptrs = x_ptr + gl.expand_dims(rows * stride_x, 1) + gl.expand_dims(cols, 0)
-            _copy_rows(x_bufs.index(stage).slice(c * CHUNK, CHUNK), ptrs,
-                       mask=gl.expand_dims(live, 1) & col_ok)
+        mask = live & gl.expand_dims(kb * BK + vec_cols < v_local, 0)
+        _copy_rows(x_bufs.index(stage), row_ptrs + gl.expand_dims(kb * BK + cols, 0), mask=mask)
         async_copy.mbarrier_arrive(bar, increment_count=False)
 
 
@@ -406,7 +406,6 @@ def soft_embedding_wgmma_kernel(
     NORM_IS_TENSOR: gl.constexpr, STAGES: gl.constexpr, SCRATCH_N: gl.constexpr,
     VEC: gl.constexpr, P_SWIZZLE: gl.constexpr, P_IN_REGISTERS: gl.constexpr, GROUP: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, GATHER_WARPS: gl.constexpr,
-    GATHER_CHUNK: gl.constexpr,
 ):
     BM: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
@@ -447,7 +446,7 @@ def soft_embedding_wgmma_kernel(
                          HAS_OUT_INDEX, NORM_IS_TENSOR, SCRATCH_N, VEC, P_IN_REGISTERS)),
             (_consumer, (1, descs, smem, tile, row_args, out_args, HAS_THRESHOLD, True,
                          HAS_OUT_INDEX, NORM_IS_TENSOR, SCRATCH_N, VEC, P_IN_REGISTERS)),
-            (_gather_loader, (descs, smem, tile, gather, VEC, GATHER_CHUNK)),
+            (_gather_loader, (descs, smem, tile, gather, VEC)),
         ], [4, GATHER_WARPS], [CONSUMER_REGS, LOADER_REGS])
     else:
         gl.warp_specialize([
@@ -548,6 +547,5 @@ def launch(logits, row_request, inv_t, lse, embed_weight, norm_tensor, norm_valu
         P_IN_REGISTERS=p_in_registers(logits.dtype), GROUP=GROUP_M,
         CONSUMER_REGS=GATHER_CONSUMER_REGS if row_order is not None else CONSUMER_REGS,
         LOADER_REGS=GATHER_LOADER_REGS if row_order is not None else LOADER_REGS,
-        GATHER_WARPS=GATHER_WARPS,
-        GATHER_CHUNK=GATHER_CHUNK, num_warps=4,
+        GATHER_WARPS=GATHER_WARPS, num_warps=4,
     )

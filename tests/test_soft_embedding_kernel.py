@@ -729,8 +729,9 @@ def test_gpu_wgmma_row_order_gathers_rows(requests, logits_dtype):
                     lse=case.lse[keep],
                     threshold=None if case.threshold is None else case.threshold[keep])
     want = se.soft_embedding_rows(*alone.args(), wgmma=True, **alone.kwargs())
-    # (the kept rows alone plan other tiles: split-K sums may differ in the last bits)
-    assert rel_err(got[keep], want.double()) <= 1e-5
+    # (the kept rows alone plan other tiles, some split along the vocabulary: the wgmma's
+    # accumulation is not exact fp32, and 2e-5 to 1e-4 apart was seen on an H100)
+    assert rel_err(got[keep], want.double()) <= 3e-4
     check_gpu(case, got, keep=keep)
 
 
