@@ -41,9 +41,11 @@ programs that share an E tile run side by side.
 Rows not kept. With ``keep`` the caller passes a row order, kept rows first, and their count
 (on the device): tiles run over the positions of that order, so the cost follows the kept rows,
 not the tiles they are scattered over, and tiles past the count skip their K loop. TMA loads
-boxes of consecutive rows and cannot gather, so those tiles' logits rows come by ``cp.async``
-from a loader warpgroup (16-byte vectors into the same swizzled stage; each thread's copies
-arrive on the stage's barrier), E still by TMA. Rows not kept are written as zeros.
+boxes of consecutive rows and cannot gather: a tile whose kept rows are consecutive (every row
+kept, or whole requests dropped) still loads by TMA, the others' logits rows come by
+``cp.async`` from a loader warpgroup (16-byte vectors into the same swizzled stage; each
+thread's copies arrive on the stage's barrier), E still by TMA. Rows not kept are written as
+zeros.
 
 Scope (``supported``): Hopper, logits fp32/bf16/fp16 whose local slice TMA can address
 (16-byte aligned rows), E bf16/fp16, no ``allowed`` mask, no softcap. Rows past the end and the
@@ -238,13 +240,15 @@ def _loader(descs, smem, tile):
 
 @gluon.jit
 def _gather_loader(descs, smem, tile, gather, VEC: gl.constexpr):
-    """The loader partition (a warpgroup) of a tile whose rows a row order lists: the E tile by
-    TMA as ``_loader``, the logits rows by ``cp.async`` of 16-byte vectors (TMA cannot gather
-    rows). The tile's row offsets are read once, before the K loop. Each thread's copies
-    arrive on the stage's ``ready`` barrier when they land; rows past the kept count read as
-    zeros, and so do vectors past the slice's end. A vector that straddles the end is read
-    whole (a copy's mask must be uniform over its 16 bytes): it stays inside the row's
-    16-byte aligned span, and its columns past the end meet E's zero padding rows."""
+    """The loader partition (a warpgroup) of a tile whose rows a row order lists. E comes by
+    TMA as in ``_loader``. If the tile's positions hold consecutive kept rows (every row kept,
+    or whole requests dropped), its logits come by TMA too; otherwise (TMA cannot gather rows)
+    by ``cp.async`` of 16-byte vectors, from row offsets read once before the K loop. Either
+    way each thread arrives once per stage on its ``ready`` barrier (after its copies land).
+    Rows past the kept count read as zeros, and so do vectors past the slice's end. A vector
+    that straddles the end is read whole (a copy's mask must be uniform over its 16 bytes): it
+    stays inside the row's 16-byte aligned span, and its columns past the end meet E's zero
+    padding rows."""
     x_desc, e_desc = descs
     x_bufs, e_bufs, p_bufs, ready, empty = smem
     row0, col0, kb_begin, n_k, piece, pieces, tail_idx, tail_tiles = tile
@@ -252,26 +256,44 @@ def _gather_loader(descs, smem, tile, gather, VEC: gl.constexpr):
     STAGES: gl.constexpr = x_bufs.type.shape[0]
     BM: gl.constexpr = x_bufs.type.shape[1]
     BK: gl.constexpr = x_bufs.type.shape[2]
-    LANES: gl.constexpr = BK // VEC  # threads per row of the tile
-    layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // LANES, LANES], [gl.num_warps(), 1],
-                                            [1, 0])
-    pos = (row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))).to(gl.int64)
-    rows, live = _tile_rows(pos, n_rows, row_order_ptr, kept_count_ptr, True)
-    row_ptrs = gl.expand_dims(x_ptr + rows * stride_x, 1)
-    live = gl.expand_dims(live, 1)
-    # each vector's first column: the mask is uniform over a vector, so the copies stay 16 bytes
-    vec_cols = gl.arange(0, BK, layout=gl.SliceLayout(0, layout)) // VEC * VEC
-    cols = gl.arange(0, BK, layout=gl.SliceLayout(0, layout))
-    for i in range(n_k):
-        stage = i % STAGES
-        mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
-        bar = ready.index(stage)
-        mbarrier.expect(bar, e_desc.block_type.nbytes)
-        kb = kb_begin + i
-        _tma_load(e_desc, [kb * BK, col0], bar, e_bufs.index(stage))
-        mask = live & gl.expand_dims(kb * BK + vec_cols < v_local, 0)
-        _copy_rows(x_bufs.index(stage), row_ptrs + gl.expand_dims(kb * BK + cols, 0), mask=mask)
-        async_copy.mbarrier_arrive(bar, increment_count=False)
+    # The kept rows stand in increasing order, so the tile's are consecutive when all its
+    # positions are kept and its last row is as far from its first as its last position.
+    last = gl.minimum(row0 + BM, n_rows) - 1
+    first_row = gl.load(row_order_ptr + row0)
+    consecutive = (last < gl.load(kept_count_ptr)) & (
+        gl.load(row_order_ptr + last) - first_row == last - row0)
+    if consecutive:
+        for i in range(n_k):
+            stage = i % STAGES
+            mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
+            bar = ready.index(stage)
+            mbarrier.expect(bar, x_desc.block_type.nbytes + e_desc.block_type.nbytes)
+            kb = kb_begin + i
+            _tma_load(x_desc, [first_row.to(gl.int32), kb * BK], bar, x_bufs.index(stage))
+            _tma_load(e_desc, [kb * BK, col0], bar, e_bufs.index(stage))
+            async_copy.mbarrier_arrive(bar, increment_count=False)  # no copies: at once
+    else:
+        LANES: gl.constexpr = BK // VEC  # threads per row of the tile
+        layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // LANES, LANES],
+                                                [gl.num_warps(), 1], [1, 0])
+        pos = (row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))).to(gl.int64)
+        rows, live = _tile_rows(pos, n_rows, row_order_ptr, kept_count_ptr, True)
+        row_ptrs = gl.expand_dims(x_ptr + rows * stride_x, 1)
+        live = gl.expand_dims(live, 1)
+        # each vector's first column: the mask is uniform over a vector (16-byte copies)
+        vec_cols = gl.arange(0, BK, layout=gl.SliceLayout(0, layout)) // VEC * VEC
+        cols = gl.arange(0, BK, layout=gl.SliceLayout(0, layout))
+        for i in range(n_k):
+            stage = i % STAGES
+            mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
+            bar = ready.index(stage)
+            mbarrier.expect(bar, e_desc.block_type.nbytes)
+            kb = kb_begin + i
+            _tma_load(e_desc, [kb * BK, col0], bar, e_bufs.index(stage))
+            mask = live & gl.expand_dims(kb * BK + vec_cols < v_local, 0)
+            _copy_rows(x_bufs.index(stage), row_ptrs + gl.expand_dims(kb * BK + cols, 0),
+                       mask=mask)
+            async_copy.mbarrier_arrive(bar, increment_count=False)
 
 
 @gluon.jit

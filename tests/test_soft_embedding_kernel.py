@@ -705,10 +705,11 @@ def test_gpu_wgmma_kernel_matches_the_triton_kernel(requests, logits_dtype):
 @pytest.mark.parametrize("requests,logits_dtype", [(1, torch.float32), (32, torch.float32),
                                                     (8, torch.bfloat16)])
 def test_gpu_wgmma_row_order_gathers_rows(requests, logits_dtype):
-    """The Gluon kernel's row order (``keep``: rows gathered by ``cp.async``): every row kept
-    gives the in-order result bit for bit (same tiles, same sums); rows kept at random (a
-    quarter, scattered over every tile) give, on the kept rows, the result of those rows alone
-    in order, and zeros elsewhere; nothing kept writes zeros."""
+    """The Gluon kernel's row order (``keep``): every row kept gives the in-order result bit for
+    bit (consecutive rows: the same tiles, by TMA); rows kept at random (a quarter, scattered
+    over every tile: gathered by ``cp.async``) or by request (every other one: consecutive rows
+    again, from another first row) give, on the kept rows, the result of those rows alone in
+    order, and zeros elsewhere; nothing kept writes zeros."""
     pytest.importorskip("dgemma_sampler.kernels.soft_embedding_wgmma")
     case = production_case(requests, logits_dtype=logits_dtype, seed=70 + requests)
     n = case.logits.shape[0]
@@ -722,17 +723,21 @@ def test_gpu_wgmma_row_order_gathers_rows(requests, logits_dtype):
     assert torch.equal(run(torch.ones(n, dtype=torch.bool, device="cuda")), plain)
     assert (run(torch.zeros(n, dtype=torch.bool, device="cuda")) == 0).all()
     g = torch.Generator(device="cuda").manual_seed(requests)
-    keep = torch.rand(n, generator=g, device="cuda") < 0.25
-    got = run(keep)
-    assert (got[~keep] == 0).all()
-    alone = replace(case, logits=case.logits[keep], row_request=case.row_request[keep],
-                    lse=case.lse[keep],
-                    threshold=None if case.threshold is None else case.threshold[keep])
-    want = se.soft_embedding_rows(*alone.args(), wgmma=True, **alone.kwargs())
-    # (the kept rows alone plan other tiles, some split along the vocabulary: the wgmma's
-    # accumulation is not exact fp32, and 2e-5 to 1e-4 apart was seen on an H100)
-    assert rel_err(got[keep], want.double()) <= 3e-4
-    check_gpu(case, got, keep=keep)
+    scattered = torch.rand(n, generator=g, device="cuda") < 0.25
+    by_request = case.row_request % 2 == 1
+    for keep in (scattered, by_request):
+        if not keep.any():
+            continue
+        got = run(keep)
+        assert (got[~keep] == 0).all()
+        alone = replace(case, logits=case.logits[keep], row_request=case.row_request[keep],
+                        lse=case.lse[keep],
+                        threshold=None if case.threshold is None else case.threshold[keep])
+        want = se.soft_embedding_rows(*alone.args(), wgmma=True, **alone.kwargs())
+        # (the kept rows alone plan other tiles, some split along the vocabulary: the wgmma's
+        # accumulation is not exact fp32, and 2e-5 to 1e-4 apart was seen on an H100)
+        assert rel_err(got[keep], want.double()) <= 3e-4
+        check_gpu(case, got, keep=keep)
 
 
 def test_gluon_kernel_compiles_for_sm90_without_spills():
