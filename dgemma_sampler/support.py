@@ -37,7 +37,8 @@ host synchronisation:
    most K tokens of at most ``eps / K`` each below J): it goes dense. And a sparse row has
    fewer than ``2K`` candidates: each candidate left in the tail weighs more than ``eps / K``,
    so fewer than K of them fit in the budget. So a row with more than ``2K`` candidates is
-   dense without finding its cut, and the kernel stops reading it there.
+   dense without finding its cut, and the kernel stops reading it there; likewise once the sum
+   below J alone passes the budget (a row with a heavy tail: no cut at or above J fits).
 
 fp32 rounding: the bins are computed against ``lse - d`` with ``d = (|lse| + 16) 2^-17``,
 which exceeds the fp32 error of ``lse`` and of the bin arithmetic, so every token's bin bound
@@ -53,7 +54,8 @@ Path codes per row (``PATH_*``): not kept, sparse by tier 1, sparse by the pass,
 tier-2 filters, dense by the support size. Rows whose ``lse`` is not finite (nothing kept)
 are sparse with an empty S, i.e. zero, as on the dense path. ``count`` is |S| for sparse rows
 and, for rows dense by the pass, the number of candidates capped at ``2K + 1`` (a lower
-bound of |S| where the row has no cut).
+bound of |S| where the row has no cut), or ``2K + 1`` where the sum below J alone passes the
+budget (so that it does not depend on where the kernel stopped reading).
 """
 
 from __future__ import annotations
@@ -172,7 +174,8 @@ def entropy_skip_f32(tail_eps: float, max_support: int, vocab_size: int) -> floa
 @dataclass
 class Support:
     """Per-row decision: ``path`` [N] int8 (``PATH_*``), ``count`` [N] int32 (|S| of sparse
-    rows; for rows dense by the pass the candidates, at most ``2K + 1``; -1 where no pass ran:
+    rows; for rows dense by the pass the candidates, at most ``2K + 1``, and ``2K + 1`` where
+    the mass below the lowest cut alone passes ``eps``; -1 where no pass ran:
     not kept, filtered), ``ids`` [N, K] int32 (S's columns relative to
     ``vocab_start`` in vocabulary order for sparse rows, -1 padded)."""
 
@@ -273,7 +276,11 @@ def support_rows(
         candidates = (b < lowest).sum(dim=1)
         sparse = (cut < NUM_BINS) & (size <= k) & (candidates <= 2 * k)
         rows_path = torch.where(sparse, PATH_SUPPORT, PATH_SUPPORT_DENSE)
-        rows_count = torch.where(sparse, size, candidates.clamp(max=2 * k + 1)).to(torch.int32)
+        # a dense row: its candidates (at most 2K + 1), or 2K + 1 if the sum below the lowest
+        # cut alone passes the budget (the kernel may stop reading it there)
+        low_over = suffix[:, lowest] > budget
+        dense_count = torch.where(low_over, 2 * k + 1, candidates.clamp(max=2 * k + 1))
+        rows_count = torch.where(sparse, size, dense_count).to(torch.int32)
         # tier 2
         filt = torch.zeros_like(finite)
         if entropy is not None:

@@ -15,7 +15,8 @@ scaled as every row kernel does (``logit_row``), ``p_v = exp(z_v - lse)``, and a
    bin J (``lowest``: level ``eps / K``). Entries in bins ``>= J`` only add ``w_j`` to per-lane
    sums saturated at ``budget + 1``; the candidates (bins ``< J``) are appended, ``(column << 8)
    | bin`` in vocabulary order, to a ``[2K]`` scratch row, and the row stops being read once
-   there are more than 2K of them (then it is dense: a sparse row has fewer). From the
+   there are more than 2K of them (then it is dense: a sparse row has fewer), or once the sum
+   below J alone passes the budget (no cut can then make it sparse). From the
    candidates' histogram and the sum below J (each term saturated at ``budget + 1``, which no
    cut includes, so nothing overflows) the cut is the smallest bin ``c <= J`` whose tail bound
    is ``<= eps 2^56``; S is the candidates below it, written to ``ids[row, :|S|]`` when
@@ -25,7 +26,10 @@ scaled as every row kernel does (``logit_row``), ``p_v = exp(z_v - lse)``, and a
 greedy rows, whose probabilities are exactly 1 at the tied maxima and 0 elsewhere).
 
 Traffic: tiers 1 and 2 read O(1) per row. A row that runs the pass reads its logits once, or
-up to the block where its candidates pass 2K; S comes from the scratch row, not a second read.
+up to the block where its candidates pass 2K or its sum below J passes the budget (looked at
+every ``LOW_CHECK`` blocks); S comes from the scratch row, not a second read. A row dense by the
+pass reports ``min(candidates, 2K + 1)``, or ``2K + 1`` when the sum below J passes the budget,
+whichever block it stopped at.
 One program per row (the next block is loaded while this one is binned); programs of rows that
 need no pass exit at once.
 """
@@ -47,6 +51,7 @@ STATS_DENSE = tl.constexpr(contract.PATH_STATS_DENSE)
 SUPPORT_DENSE = tl.constexpr(contract.PATH_SUPPORT_DENSE)
 MARGIN_OFFSET = tl.constexpr(contract.LSE_MARGIN_OFFSET)
 MARGIN_SCALE = tl.constexpr(contract.LSE_MARGIN_SCALE)
+LOW_CHECK = tl.constexpr(4)  # blocks between two looks at the sum below the lowest cut
 
 
 @triton.jit
@@ -75,6 +80,15 @@ def _bins(x, allowed_ptr, threshold, request, cols, v_local, vocab_start, stride
     u4 = (z - lse_lo) * (4.0 * LOG2E)
     b = tl.minimum(tl.maximum(tl.floor(-u4), 0.0), NUM_BINS - 2.0)
     return tl.where(masked, NUM_BINS - 1, b.to(tl.int32))
+
+
+@triton.jit
+def _lane_sum(low, budget, BLOCK_V: tl.constexpr):
+    """T(J) from the per-lane sums (each saturated at ``budget + 1``): groups of 32 lanes
+    saturated again, so that the sum fits in int64; exact when it is <= budget, above budget
+    otherwise."""
+    groups = tl.minimum(tl.sum(tl.reshape(low, (BLOCK_V // 32, 32)), axis=1), budget + 1)
+    return tl.sum(groups, axis=0)
 
 
 @triton.jit
@@ -131,11 +145,14 @@ def support_kernel(
         # more than CAP of them (then the row is dense: stop reading it).
         n_cand = tl.zeros((), tl.int32)
         start = tl.zeros((), tl.int32)
+        # The sum below the lowest cut only grows: once it passes the budget no cut can make
+        # the row sparse, so it stops being read (checked every LOW_CHECK blocks).
+        low_over = n_cand < 0  # a false scalar
         # The next block is loaded before this one is binned: one block of one program in
         # flight is too little to stream the row.
         x_next = _load_block(logits_ptr, row, tl.arange(0, BLOCK_V), v_local, vocab_start,
                              stride_logits)
-        while (start < v_local) & (n_cand <= CAP):
+        while (start < v_local) & (n_cand <= CAP) & ~low_over:
             cols = start + tl.arange(0, BLOCK_V)
             x = x_next
             x_next = _load_block(logits_ptr, row, cols + BLOCK_V, v_local, vocab_start,
@@ -152,12 +169,15 @@ def support_kernel(
                 tl.store(cand_ptr + row * CAP + pos, (cols << 8) | b, mask=cand & (pos < CAP))
             n_cand += nc
             start += BLOCK_V
-        # T(J): groups of 32 lanes saturated again, so that the sum fits in int64; exact when
-        # it is <= budget, above budget otherwise.
-        groups = tl.minimum(tl.sum(tl.reshape(low, (BLOCK_V // 32, 32)), axis=1), budget + 1)
-        tail_low = tl.sum(groups, axis=0)
+            if start % (LOW_CHECK * BLOCK_V) == 0:
+                # A sufficient test in one sum: lanes < 2^54 (saturated), so shifted by 12
+                # bits no sum of up to 2^21 lanes overflows, and passing budget >> 12 there
+                # means passing budget.
+                low_over = tl.sum(low >> 12, axis=0) > (budget >> 12)
+        tail_low = _lane_sum(low, budget, BLOCK_V)
         path = tl.full((), SUPPORT_DENSE, tl.int32)
-        count = tl.minimum(n_cand, CAP + 1)
+        # (2K + 1 whichever way the pass stopped early: the count does not depend on the blocks)
+        count = tl.where(tail_low > budget, CAP + 1, tl.minimum(n_cand, CAP + 1))
         if (n_cand <= CAP) & (tail_low <= budget):
             slots = tl.arange(0, CAP)
             packed = tl.load(cand_ptr + row * CAP + slots, mask=slots < n_cand, other=NUM_BINS - 1)

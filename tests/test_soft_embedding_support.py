@@ -158,15 +158,15 @@ def _find(backend, x, t, eps, k=sp.MAX_SUPPORT):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_row_that_needs_a_cut_below_eps_over_k_is_dense(backend):
     """One head token, 60 tokens at 0.9 eps / K each and a thin tail of 0.5 eps: the 61 tokens
-    would hold all but 0.5 eps, but only with a cut below eps / K. The row is dense, its count
-    the candidates above that level (the head), and the mass below it within (eps, 2 eps]."""
+    would hold all but 0.5 eps, but only with a cut below eps / K. The row is dense, and the
+    mass below that level within (eps, 2 eps]: past the budget, so its count is 2K + 1."""
     v, k = 4000, sp.MAX_SUPPORT
     p = torch.full((v,), 0.5 * EPS / (v - 61), dtype=torch.float64)
     p[1:61] = 0.9 * EPS / k
     p[0] = 1 - float(p[1:].sum())
     x = p.log().float().unsqueeze(0).to(DEVICE)
     s = _find(backend, x, torch.ones(1, device=DEVICE), EPS)
-    assert s.path.tolist() == [sp.PATH_SUPPORT_DENSE] and s.count.tolist() == [1]
+    assert s.path.tolist() == [sp.PATH_SUPPORT_DENSE] and s.count.tolist() == [2 * k + 1]
     below = float(p[p <= EPS / k].sum())
     assert EPS < below <= 2 * EPS
 
@@ -175,7 +175,8 @@ def test_a_row_that_needs_a_cut_below_eps_over_k_is_dense(backend):
 def test_tail_budget_just_below_two_to_the_31(backend):
     """budget = 2^31 - 1 (eps just below 2^-25): budget + 1 must not wrap in the kernel (an
     int argument below 2^31 arrives as int32). A head token and a tail of 20 eps under the
-    lowest cut: dense, as the oracle says (the wrapped sum read as sparse with an empty S)."""
+    lowest cut: dense with count 2K + 1, as the oracle says (the wrapped sum read as sparse with
+    an empty S)."""
     eps = (2**31 - 1) * 2.0**-56
     assert sp.tail_budget(eps) == 2**31 - 1
     v = 4096
@@ -183,7 +184,8 @@ def test_tail_budget_just_below_two_to_the_31(backend):
     p[0] = 1 - 20 * eps
     x = p.log().float().unsqueeze(0).to(DEVICE)
     s = _find(backend, x, torch.ones(1, device=DEVICE), eps)
-    assert s.path.tolist() == [sp.PATH_SUPPORT_DENSE] and s.count.tolist() == [1]
+    assert s.path.tolist() == [sp.PATH_SUPPORT_DENSE]
+    assert s.count.tolist() == [2 * sp.MAX_SUPPORT + 1]
 
 
 def test_tiers_and_special_rows():
@@ -445,6 +447,34 @@ def test_support_kernel_matches_oracle(case):
     assert torch.equal(count.cpu(), want.count.cpu())
     assert torch.equal(ids.cpu(), want.ids.cpu())
     assert set(path.tolist()) >= {sp.PATH_NOT_KEPT, sp.PATH_SUPPORT}
+
+
+@needs_triton
+def test_a_heavy_tail_below_the_lowest_cut_is_dense_early():
+    """A row whose mass below the lowest cut alone passes eps (1% spread evenly: each token far
+    below eps / K) is dense whatever its candidates; the kernel may stop reading it at the
+    first look at that sum (a few blocks in), and both report 2K + 1, as for a row with too
+    many candidates. A lighter even tail (eps / 4) stays sparse."""
+    from dgemma_sampler.kernels.soft_embedding_support import support_rows as kernel_support
+
+    v = 8192
+    rows = []
+    for tail in (1e-2, EPS / 4):
+        z = torch.full((v,), math.log(tail / (v - 1)))
+        z[4321] = math.log(1 - tail)
+        rows.append(z)
+    x = torch.stack(rows).to(DEVICE)
+    req = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    t = torch.ones(1, device=DEVICE)
+    lse = torch.logsumexp(x, dim=1)
+    common = dict(tail_eps=EPS, bin_weights=sp.weights_on(x.device), budget=sp.tail_budget(EPS),
+                  lowest=sp.lowest_cut(EPS, sp.MAX_SUPPORT))
+    want = sp.support_rows(x, req, t, lse, **common)
+    path, count, ids = kernel_support(x, req, t, lse, **common, block_v=256)
+    assert want.path.tolist() == [sp.PATH_SUPPORT_DENSE, sp.PATH_SUPPORT]
+    assert want.count.tolist() == [2 * sp.MAX_SUPPORT + 1, 1]
+    assert torch.equal(path.cpu(), want.path.cpu()) and torch.equal(count.cpu(), want.count.cpu())
+    assert torch.equal(ids.cpu(), want.ids.cpu())
 
 
 @needs_triton
