@@ -65,8 +65,11 @@ one for everything else, and the only one the interpreter can run.
 
 Rows with ``keep`` False: the kept rows are compacted to the front of a row order on the device
 (a stable argsort, no host sync) and their count stays on the device. M-tiles past the count skip
-the K loop and store zeros; within the last live M-tile, dropped rows are masked. Pass ``num_kept``
-(a host int, e.g. known from the scheduler) to size the schedule to the kept rows only.
+the K loop and store zeros; within the last live M-tile, dropped rows are masked. The schedule is
+then the one ``plan_split`` makes for that count: ``plans_by_count`` tabulates it for every count
+(once per shape), the kernels read their row of the table by the count on the device, and the
+launch takes the largest grid, scratch and merge of any count (programs past their count's plan
+find no tile). Pass ``num_kept`` (a host int, e.g. known from the scheduler) to plan on the host.
 """
 
 from __future__ import annotations
@@ -124,6 +127,18 @@ def _out_rows(row, in_range, out_index_ptr, HAS_OUT_INDEX: tl.constexpr):
     if HAS_OUT_INDEX:
         return tl.load(out_index_ptr + row, mask=in_range, other=0).to(tl.int64)
     return row
+
+
+@triton.jit
+def _schedule(plan_ptr, kept_count_ptr, dp_head, tail_tiles, split, BLOCK_M: tl.constexpr,
+              PLAN_BY_COUNT: tl.constexpr):
+    """``(dp_head, tail_tiles, split)``: the launch's, or with ``PLAN_BY_COUNT`` the row of
+    ``plans_by_count``'s table for the kept count on the device (in tiles of ``BLOCK_M``)."""
+    if PLAN_BY_COUNT:
+        at = tl.cdiv(tl.load(kept_count_ptr), BLOCK_M) * 3
+        return tl.load(plan_ptr + at), tl.load(plan_ptr + at + 1), tl.load(plan_ptr + at + 2)
+    else:
+        return dp_head, tail_tiles, split
 
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -314,8 +329,11 @@ def soft_embedding_kernel(
     DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     HALF_LAST_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    plan_ptr=None, PLAN_BY_COUNT: tl.constexpr = False,
 ):
     # -- program -> output tile and vocabulary range ------------------------------------------
+    dp_head, tail_tiles, split = _schedule(plan_ptr, kept_count_ptr, dp_head, tail_tiles, split,
+                                           BLOCK_M, PLAN_BY_COUNT)
     m_tile, n_tile, tail_idx, piece, pieces = tile_of_program(
         tl.program_id(0), n_tiles_n, dp_head, tail_tiles, split)
     row, in_range, live, tile_live = _rows(
@@ -368,16 +386,22 @@ def split_sum_kernel(
     n_tiles_n, dp_head, tail_tiles, split,
     HAS_KEEP: tl.constexpr, NORM_IS_TENSOR: tl.constexpr, HAS_OUT_INDEX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB_M: tl.constexpr,
+    plan_ptr=None, PLAN_BY_COUNT: tl.constexpr = False,
 ):
     """Second stage of split-K: out = normalizer * (piece 0 + piece 1 + ... + piece S-1), in that
-    order, for the rows ``[SUB_M * program_id(1), +SUB_M)`` of tail tile ``program_id(0)``."""
+    order, for the rows ``[SUB_M * program_id(1), +SUB_M)`` of tail tile ``program_id(0)`` (with
+    ``PLAN_BY_COUNT`` the grid covers the most tail tiles of any count: the others do nothing)."""
+    dp_head, tail_tiles, split = _schedule(plan_ptr, kept_count_ptr, dp_head, tail_tiles, split,
+                                           BLOCK_M, PLAN_BY_COUNT)
     tail_idx = tl.program_id(0)
     sub = tl.program_id(1)
     tile = dp_head + tail_idx
     m_tile = tile // n_tiles_n
     n_tile = tile % n_tiles_n
+    # (a program past the count's tail tiles has no row in range)
+    rows_limit = tl.where(tail_idx < tail_tiles, n_rows, 0)
     row, in_range, live, _ = _rows(
-        m_tile * BLOCK_M + sub * SUB_M, n_rows, row_order_ptr, kept_count_ptr, HAS_KEEP, SUB_M)
+        m_tile * BLOCK_M + sub * SUB_M, rows_limit, row_order_ptr, kept_count_ptr, HAS_KEEP, SUB_M)
     cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = in_range[:, None] & (cols < hidden)[None, :]
     out_row = _out_rows(row, in_range, out_index_ptr, HAS_OUT_INDEX)
@@ -386,7 +410,7 @@ def split_sum_kernel(
     offs = (sub * SUB_M + tl.arange(0, SUB_M))[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     for piece in range(1, split):
         slot = ((piece - 1) * tail_tiles + tail_idx).to(tl.int64)
-        acc += tl.load(scratch_ptr + slot * (BLOCK_M * BLOCK_N) + offs)
+        acc += tl.load(scratch_ptr + slot * (BLOCK_M * BLOCK_N) + offs, mask=mask, other=0.0)
     if NORM_IS_TENSOR:
         norm = tl.load(norm_ptr).to(tl.float32)
     else:
@@ -480,6 +504,11 @@ class SplitPlan:
     def scratch_elems(self) -> int:
         return self.tail_tiles * (self.split - 1) * self.block_m * self.block_n
 
+    table = None  # the schedule is the launch's (``CountPlans``: read on the device)
+
+    def flags(self) -> dict:
+        return {}
+
 
 def plan_split(rows: int, planned_rows: int, hidden: int, v_local: int, cfg: TileConfig,
                num_sms: int, max_scratch_bytes: int = MAX_SCRATCH_BYTES,
@@ -508,6 +537,46 @@ def plan_split(rows: int, planned_rows: int, hidden: int, v_local: int, cfg: Til
     if best_split == 1:
         dp_head, tail = planned, 0
     return SplitPlan(n_tiles_n, dp_head, tail, best_split, total - planned, cfg.block_m, cfg.block_n)
+
+
+@dataclass(frozen=True)
+class CountPlans:
+    """``plan_split`` for every number of kept rows, for a launch whose count stays on the
+    device: ``table`` ``[M-tiles + 1, 3]`` int32 holds ``(dp_head, tail_tiles, split)`` for
+    ``ceil(count / block_m)`` tiles of rows; the launch takes the largest grid, scratch and merge
+    of any count (the programs past a count's plan find no tile and do nothing)."""
+
+    table: torch.Tensor
+    n_tiles_n: int
+    programs: int
+    tail_tiles: int
+    scratch_elems: int
+    dp_head = 0  # (the launch's values, unused: the kernels read the table's)
+    split = 1
+
+    def flags(self) -> dict:
+        """The kernels' arguments that make them read the table."""
+        return dict(plan_ptr=self.table, PLAN_BY_COUNT=True)
+
+
+_COUNT_PLANS: dict[tuple, CountPlans] = {}
+
+
+def plans_by_count(rows: int, hidden: int, v_local: int, cfg: TileConfig, num_sms: int,
+                   device: torch.device, min_k_blocks: int = MIN_K_BLOCKS_PER_PIECE) -> CountPlans:
+    """``CountPlans`` of a shape, built once (its table is copied to the device then: a first
+    call must not be inside a CUDA graph capture, as for the kernels' compilation)."""
+    key = (rows, hidden, v_local, cfg, num_sms, str(device), min_k_blocks)
+    if key not in _COUNT_PLANS:
+        plans = [plan_split(rows, tiles * cfg.block_m, hidden, v_local, cfg, num_sms,
+                            min_k_blocks=min_k_blocks)
+                 for tiles in range(triton.cdiv(rows, cfg.block_m) + 1)]
+        table = torch.tensor([(p.dp_head, p.tail_tiles, p.split) for p in plans],
+                             dtype=torch.int32, device=device)
+        _COUNT_PLANS[key] = CountPlans(table, plans[0].n_tiles_n, max(p.programs for p in plans),
+                                       max(p.tail_tiles for p in plans),
+                                       max(p.scratch_elems for p in plans))
+    return _COUNT_PLANS[key]
 
 
 _NUM_SMS: dict[int, int] = {}
@@ -580,7 +649,8 @@ def _launch_wgmma(module, logits, row_request, inv_t, lse, embed_weight, norm_te
     v_local, hidden = embed_weight.shape
     cfg = TileConfig(module.BLOCK_M, module.BLOCK_N, module.BLOCK_K, module.NUM_WARPS,
                      module.stages_for(logits.dtype, embed_weight.dtype))
-    plan = plan_split(n_rows, planned_rows, hidden, v_local, cfg, sms)
+    plan = _plan(n_rows, planned_rows, keep, hidden, v_local, cfg, sms, logits.device,
+                 MIN_K_BLOCKS_PER_PIECE)
     placeholder = inv_t
     scratch = (torch.empty(plan.scratch_elems, dtype=torch.float32, device=logits.device)
                if plan.scratch_elems else placeholder)
@@ -593,6 +663,17 @@ def _launch_wgmma(module, logits, row_request, inv_t, lse, embed_weight, norm_te
                  norm_value, n_rows, hidden, placeholder)
 
 
+def _plan(n_rows: int, planned_rows: int | None, keep, hidden: int, v_local: int, cfg: TileConfig,
+          sms: int, device: torch.device, min_k_blocks: int):
+    """The schedule of a launch: ``plan_split`` for ``planned_rows`` (every row without
+    ``keep``, or the caller's count of kept rows), or with ``keep`` and no count
+    ``plans_by_count``, the plan of every count, read on the device by the kept count there."""
+    if keep is not None and planned_rows is None:
+        return plans_by_count(n_rows, hidden, v_local, cfg, sms, device, min_k_blocks)
+    return plan_split(n_rows, n_rows if planned_rows is None else planned_rows, hidden, v_local,
+                      cfg, sms, min_k_blocks=min_k_blocks)
+
+
 def _kept_first(keep: torch.Tensor | None):
     """(row order, kept count): the kept rows first, in row order (a stable argsort), and their
     number as a ``[1]`` int32 tensor that stays on the device (no sync); (None, None) without
@@ -603,11 +684,11 @@ def _kept_first(keep: torch.Tensor | None):
             keep.sum(dtype=torch.int32).reshape(1))
 
 
-def _merge_split(plan: SplitPlan, cfg: TileConfig, out, out_index, scratch, row_order, kept_count,
+def _merge_split(plan, cfg: TileConfig, out, out_index, scratch, row_order, kept_count,
                  norm_tensor, norm_value: float, n_rows: int, hidden: int, placeholder) -> None:
-    """Second stage of split-K (``split_sum_kernel``) where the plan has a split tail
-    (``plan_split`` folds S = 1 into the whole tiles). ``row_order`` / ``kept_count``: the
-    compacted kept rows of the Triton kernel, or None for rows in order."""
+    """Second stage of split-K (``split_sum_kernel``) where the plan (``SplitPlan`` or
+    ``CountPlans``) has a split tail (``plan_split`` folds S = 1 into the whole tiles).
+    ``row_order`` / ``kept_count``: the compacted kept rows, or None for rows in order."""
     if not plan.tail_tiles:
         return
     sub_m = min(cfg.block_m, 8192 // cfg.block_n)  # 32 x 256 or 16 x 512: no spills
@@ -620,7 +701,7 @@ def _merge_split(plan: SplitPlan, cfg: TileConfig, out, out_index, scratch, row_
         plan.n_tiles_n, plan.dp_head, plan.tail_tiles, plan.split,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SUB_M=sub_m, num_warps=4,
         HAS_OUT_INDEX=out_index is not None, HAS_KEEP=row_order is not None,
-        NORM_IS_TENSOR=norm_tensor is not None,
+        NORM_IS_TENSOR=norm_tensor is not None, **plan.flags(),
     )
 
 
@@ -731,7 +812,7 @@ def soft_embedding_rows(
     elif wgmma and not fits:
         raise ValueError("the wgmma soft embedding does not support this call (see "
                          "soft_embedding_wgmma.supported)")
-    planned_rows = n_rows if keep is None or num_kept is None else num_kept
+    planned_rows = None if keep is None else num_kept  # None: every row, or the device's count
     if wgmma:
         _launch_wgmma(module, logits, row_request, inv_t, lse, embed_weight, norm_tensor, norm_value,
                       out, keep, threshold, out_index, vocab_start, sms, planned_rows)
@@ -743,11 +824,11 @@ def soft_embedding_rows(
     placeholder = inv_t  # any tensor on the device stands in for an absent optional pointer
 
     def launch(cfg: TileConfig):
-        plan = plan_split(n_rows, planned_rows, hidden, v_local, cfg, sms,
-                          min_k_blocks=1 if interpret else MIN_K_BLOCKS_PER_PIECE)
+        plan = _plan(n_rows, planned_rows, keep, hidden, v_local, cfg, sms, dev,
+                     1 if interpret else MIN_K_BLOCKS_PER_PIECE)
         scratch = (torch.empty(plan.scratch_elems, dtype=torch.float32, device=dev)
                    if plan.scratch_elems else placeholder)
-        flags = dict(HAS_KEEP=keep is not None, NORM_IS_TENSOR=norm_is_tensor)
+        flags = dict(HAS_KEEP=keep is not None, NORM_IS_TENSOR=norm_is_tensor, **plan.flags())
         schedule = (plan.n_tiles_n, plan.dp_head, plan.tail_tiles, plan.split)
         kernel = soft_embedding_kernel[(plan.programs,)](
             logits, row_request, inv_t, lse,
@@ -779,7 +860,8 @@ def soft_embedding_rows(
             config = INTERPRETER_CONFIG
         else:
             masks = (keep is not None, threshold is not None, allowed is not None, softcap is not None)
-            key = tuning_key(planned_rows, hidden, v_local, logits.dtype, embed_weight.dtype, masks)
+            key = tuning_key(n_rows if planned_rows is None else planned_rows, hidden, v_local,
+                             logits.dtype, embed_weight.dtype, masks)
             candidates = gpu_candidates(logits.dtype, embed_weight.dtype, allowed is not None)
             config = _pick_config(key, candidates, launch, tune)
     launch(config)

@@ -258,8 +258,9 @@ def _gather_loader(descs, smem, tile, gather, VEC: gl.constexpr):
     BK: gl.constexpr = x_bufs.type.shape[2]
     # The kept rows stand in increasing order, so the tile's are consecutive when all its
     # positions are kept and its last row is as far from its first as its last position.
+    # (a program past its count's plan has row0 >= n_rows and nothing to load)
     last = gl.minimum(row0 + BM, n_rows) - 1
-    first_row = gl.load(row_order_ptr + row0)
+    first_row = gl.load(row_order_ptr + row0, mask=row0 < n_rows, other=0)
     consecutive = (last < gl.load(kept_count_ptr)) & (
         gl.load(row_order_ptr + last) - first_row == last - row0)
     if consecutive:
@@ -395,13 +396,19 @@ def _consumer(WG: gl.constexpr, descs, smem, tile, row_args, out_args,
 
 
 @gluon.jit
-def _program_tile(n_rows, v_local, kept_count_ptr, n_tiles_n, dp_head, tail_tiles, split,
-                  BM: gl.constexpr, BK: gl.constexpr, GROUP: gl.constexpr,
-                  HAS_ROW_ORDER: gl.constexpr):
-    """This program's share of ``soft_embedding.plan_split``'s schedule: ``(row0, n_tile,
-    kb_begin, n_k, piece, pieces, tail_idx)``, the tile's first position, its N-tile, and the
-    ``n_k`` K blocks from ``kb_begin`` (0 for a tile past the kept count, so that it skips its
-    K loop; every partition sees the same n_k)."""
+def _program_tile(n_rows, v_local, kept_count_ptr, plan_ptr, n_tiles_n, dp_head, tail_tiles,
+                  split, BM: gl.constexpr, BK: gl.constexpr, GROUP: gl.constexpr,
+                  HAS_ROW_ORDER: gl.constexpr, PLAN_BY_COUNT: gl.constexpr):
+    """This program's share of ``soft_embedding.plan_split``'s schedule (with
+    ``PLAN_BY_COUNT`` the one ``soft_embedding.plans_by_count`` holds for the kept count):
+    ``(row0, n_tile, kb_begin, n_k, piece, pieces, tail_idx, tail_tiles)``, the tile's first
+    position, its N-tile, and the ``n_k`` K blocks from ``kb_begin`` (0 for a tile past the kept
+    count, so that it skips its K loop; every partition sees the same n_k)."""
+    if PLAN_BY_COUNT:
+        at = gl.cdiv(gl.load(kept_count_ptr), BM) * 3
+        dp_head = gl.load(plan_ptr + at)
+        tail_tiles = gl.load(plan_ptr + at + 1)
+        split = gl.load(plan_ptr + at + 2)
     m_tile, n_tile, tail_idx, piece, pieces = tile_of_program(
         gl.program_id(0), n_tiles_n, dp_head, tail_tiles, split)
     k_blocks = gl.cdiv(v_local, BK)
@@ -413,14 +420,14 @@ def _program_tile(n_rows, v_local, kept_count_ptr, n_tiles_n, dp_head, tail_tile
     n_k = kb_end - kb_begin
     if HAS_ROW_ORDER:
         n_k = gl.where(row0 < gl.load(kept_count_ptr), n_k, 0)
-    return row0, n_tile, kb_begin, n_k, piece, pieces, tail_idx
+    return row0, n_tile, kb_begin, n_k, piece, pieces, tail_idx, tail_tiles
 
 
 @gluon.jit
 def soft_embedding_wgmma_kernel(
     x_desc, e_desc,                               # TMA: local logits [N, V_local], E [V_local, H]
     x_ptr, stride_x,                              # the local logits again, for the row gather
-    row_request_ptr, inv_t_ptr, lse_ptr, threshold_ptr, row_order_ptr, kept_count_ptr,
+    row_request_ptr, inv_t_ptr, lse_ptr, threshold_ptr, row_order_ptr, kept_count_ptr, plan_ptr,
     norm_ptr, out_ptr, out_index_ptr, scratch_ptr,
     n_rows, v_local, hidden, stride_out, norm_value,
     n_tiles_n, dp_head, tail_tiles, split,        # schedule: soft_embedding.plan_split
@@ -428,14 +435,15 @@ def soft_embedding_wgmma_kernel(
     NORM_IS_TENSOR: gl.constexpr, STAGES: gl.constexpr, SCRATCH_N: gl.constexpr,
     VEC: gl.constexpr, P_SWIZZLE: gl.constexpr, P_IN_REGISTERS: gl.constexpr, GROUP: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, GATHER_WARPS: gl.constexpr,
+    PLAN_BY_COUNT: gl.constexpr,
 ):
     BM: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     BN: gl.constexpr = e_desc.block_type.shape[1]
 
-    row0, n_tile, kb_begin, n_k, piece, pieces, tail_idx = _program_tile(
-        n_rows, v_local, kept_count_ptr, n_tiles_n, dp_head, tail_tiles, split, BM, BK, GROUP,
-        HAS_ROW_ORDER)
+    row0, n_tile, kb_begin, n_k, piece, pieces, tail_idx, tail_tiles = _program_tile(
+        n_rows, v_local, kept_count_ptr, plan_ptr, n_tiles_n, dp_head, tail_tiles, split, BM, BK,
+        GROUP, HAS_ROW_ORDER, PLAN_BY_COUNT)
     col0 = n_tile * BN
 
     x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK], x_desc.layout)
@@ -546,7 +554,8 @@ def tile_descriptors(logits, embed_weight, vocab_start: int, x_box: tuple, e_box
 def launch(logits, row_request, inv_t, lse, embed_weight, norm_tensor, norm_value, out, *,
            row_order, kept_count, threshold, out_index, vocab_start, plan, scratch, placeholder):
     """Launch for one call of ``soft_embedding.soft_embedding_rows`` (inputs checked there) on
-    ``plan`` (``soft_embedding.plan_split``); ``row_order`` (int64, kept rows first) with
+    ``plan`` (``soft_embedding.plan_split``, or ``plans_by_count`` where the kept count stays on
+    the device); ``row_order`` (int64, kept rows first) with
     ``kept_count`` ([1] int32 on the device), or both None for every row in order;
     ``placeholder`` stands in for absent tensors."""
     assert (row_order is None) == (kept_count is None), "row_order and kept_count go together"
@@ -558,6 +567,7 @@ def launch(logits, row_request, inv_t, lse, embed_weight, norm_tensor, norm_valu
         placeholder if threshold is None else threshold,
         placeholder if row_order is None else row_order,
         placeholder if kept_count is None else kept_count,
+        placeholder if plan.table is None else plan.table,
         placeholder if norm_tensor is None else norm_tensor,
         out, placeholder if out_index is None else out_index, scratch,
         logits.shape[0], v_local, embed_weight.shape[1], out.stride(0), norm_value,
@@ -569,5 +579,5 @@ def launch(logits, row_request, inv_t, lse, embed_weight, norm_tensor, norm_valu
         P_IN_REGISTERS=p_in_registers(logits.dtype), GROUP=GROUP_M,
         CONSUMER_REGS=GATHER_CONSUMER_REGS if row_order is not None else CONSUMER_REGS,
         LOADER_REGS=GATHER_LOADER_REGS if row_order is not None else LOADER_REGS,
-        GATHER_WARPS=GATHER_WARPS, num_warps=4,
+        GATHER_WARPS=GATHER_WARPS, PLAN_BY_COUNT=plan.table is not None, num_warps=4,
     )

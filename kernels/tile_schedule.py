@@ -4,6 +4,8 @@
 With ``T`` output tiles, ``dp_head`` of them (whole waves) run one program each; the next
 ``tail_tiles`` are cut along the vocabulary into ``split`` pieces, one program each, so that the
 last wave is full; the tiles of rows past the planned ones (only zeros to store) come last.
+A launch sized for every kept count (``soft_embedding.plans_by_count``) has programs past its
+count's plan: they map to tiles past the last row and do nothing.
 Both kernels map their program id through ``tile_of_program``; the Gluon kernel then reorders
 its whole tiles with ``grouped_tile``.
 """

@@ -287,6 +287,21 @@ def test_num_kept_hint(hint):
     check(case, run_kernel(case, keep=keep, num_kept=num_kept), keep=keep, against_torch=False)
 
 
+@pytest.mark.parametrize("kept", [0, 1, 9, 40, 74])
+def test_schedule_by_the_device_count_is_the_plan_of_that_count(kept):
+    """With ``keep`` and no host count the kernel reads its schedule from ``plans_by_count`` by
+    the kept count on the device: the result is the one of the host plan for that count, bit
+    for bit (the same tiles, the same split), and the programs past it write nothing."""
+    case = make_case(requests=2, width=37, seed=9)
+    n = case.logits.shape[0]
+    keep = torch.zeros(n, dtype=torch.bool, device=DEVICE)
+    keep[torch.randperm(n, generator=torch.Generator().manual_seed(kept))[:kept].to(DEVICE)] = True
+    by_device = run_kernel(case, keep=keep, num_sms=3)
+    by_host = run_kernel(case, keep=keep, num_sms=3, num_kept=kept)
+    assert torch.equal(by_device, by_host)
+    assert (by_device[~keep] == 0).all()
+
+
 @cpu_only
 def test_strided_logits_and_out():
     """Rows of logits and of ``out`` strided (out a column window of a wider state buffer)."""

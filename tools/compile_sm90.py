@@ -175,13 +175,15 @@ def main() -> None:
         cfg = se.TileConfig(wg.BLOCK_M, wg.BLOCK_N, wg.BLOCK_K, wg.NUM_WARPS,
                             wg.stages_for(dtype, embed.dtype))
         plan = se.plan_split(n, n, h, v, cfg, 132)
+        # rows by a row order, scheduled by the kept count on the device (as with ``keep``)
         order, count = torch.arange(n), torch.full((1,), n, dtype=torch.int32)
+        by_count = se.plans_by_count(n, h, v, cfg, 132, torch.device("cpu"))
         for threshold, gather in ((None, False), (lse, False), (None, True)):
             kernel = wg.launch(logits, row_request, inv_t, lse, embed, None, 1.0, out,
                                row_order=order if gather else None,
                                kept_count=count if gather else None, threshold=threshold,
-                               out_index=None, vocab_start=0, plan=plan, scratch=inv_t,
-                               placeholder=inv_t)
+                               out_index=None, vocab_start=0, plan=by_count if gather else plan,
+                               scratch=inv_t, placeholder=inv_t)
             name = (str(dtype).replace('torch.', '') + ("_threshold" if threshold is not None else "")
                     + ("_row_order" if gather else ""))
             with tempfile.TemporaryDirectory() as tmp:
