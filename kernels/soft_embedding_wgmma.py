@@ -218,9 +218,10 @@ def _store_acc(acc, row0, tile_row, col0, piece, pieces, tail_idx, tail_tiles, n
 
 
 @gluon.jit
-def _loader(descs, smem, tile):
-    """The TMA partition (one warp): K step ``i`` into stage ``i % STAGES`` once both consumer
-    warpgroups have released that stage's previous use."""
+def _tma_stages(descs, smem, tile, x_row, ARRIVE: gl.constexpr):
+    """K step ``i`` of the logits rows from ``x_row`` and of E by TMA into stage
+    ``i % STAGES``, once both consumer warpgroups have released that stage's previous use;
+    ``ARRIVE``: each thread also arrives on the stage (the row-order kernel's barrier count)."""
     x_desc, e_desc = descs
     x_bufs, e_bufs, p_bufs, ready, empty = smem
     row0, col0, kb_begin, n_k, piece, pieces, tail_idx, tail_tiles = tile
@@ -234,8 +235,16 @@ def _loader(descs, smem, tile):
         bar = ready.index(stage)
         mbarrier.expect(bar, x_desc.block_type.nbytes + e_desc.block_type.nbytes)
         kb = kb_begin + i
-        _tma_load(x_desc, [row0, kb * BK], bar, x_bufs.index(stage))
+        _tma_load(x_desc, [x_row, kb * BK], bar, x_bufs.index(stage))
         _tma_load(e_desc, [kb * BK, col0], bar, e_bufs.index(stage))
+        if ARRIVE:
+            async_copy.mbarrier_arrive(bar, increment_count=False)  # no copies: at once
+
+
+@gluon.jit
+def _loader(descs, smem, tile):
+    """The TMA partition (one warp) of a tile of consecutive rows."""
+    _tma_stages(descs, smem, tile, tile[0], False)
 
 
 @gluon.jit
@@ -264,15 +273,7 @@ def _gather_loader(descs, smem, tile, gather, VEC: gl.constexpr):
     consecutive = (last < gl.load(kept_count_ptr)) & (
         gl.load(row_order_ptr + last) - first_row == last - row0)
     if consecutive:
-        for i in range(n_k):
-            stage = i % STAGES
-            mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
-            bar = ready.index(stage)
-            mbarrier.expect(bar, x_desc.block_type.nbytes + e_desc.block_type.nbytes)
-            kb = kb_begin + i
-            _tma_load(x_desc, [first_row.to(gl.int32), kb * BK], bar, x_bufs.index(stage))
-            _tma_load(e_desc, [kb * BK, col0], bar, e_bufs.index(stage))
-            async_copy.mbarrier_arrive(bar, increment_count=False)  # no copies: at once
+        _tma_stages(descs, smem, tile, first_row.to(gl.int32), True)
     else:
         LANES: gl.constexpr = BK // VEC  # threads per row of the tile
         layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // LANES, LANES],
