@@ -130,9 +130,13 @@ def run_size(requests: int, vocab: int, hidden: int) -> dict:
         key = se.tuning_key(planned, hidden, vocab, dtype, torch.bfloat16, (keep_mask,) + masks[1:])
         cfg = se._TUNED.get(key)
         if cfg is not None:
-            plan = se.plan_split(rows, planned, hidden, vocab, cfg, se._num_sms(torch.device("cuda")))
+            sms = se._num_sms(torch.device("cuda"))
             result[f"{name}_config"] = str(cfg)
-            result[f"{name}_split"] = plan.split
+            if keep_mask:  # the count stays on the device: the plans of every count
+                plan = se.plans_by_count(rows, hidden, vocab, cfg, sms, torch.device("cuda"))
+            else:
+                plan = se.plan_split(rows, planned, hidden, vocab, cfg, sms)
+                result[f"{name}_split"] = plan.split
             result[f"{name}_scratch_bytes"] = plan.scratch_elems * 4
 
     # Sanity: the fused result against the cuBLAS one on the same probabilities.

@@ -170,9 +170,9 @@ def support_kernel(
             n_cand += nc
             start += BLOCK_V
             if start % (LOW_CHECK * BLOCK_V) == 0:
-                # A sufficient test in one sum: lanes < 2^54 (saturated), so shifted by 12
-                # bits no sum of up to 2^21 lanes overflows, and passing budget >> 12 there
-                # means passing budget.
+                # A sufficient test in one sum: lanes <= 2^54 (saturated at budget + 1), so
+                # shifted by 12 bits no sum of fewer than 2^21 lanes overflows, and passing
+                # budget >> 12 there means passing budget.
                 low_over = tl.sum(low >> 12, axis=0) > (budget >> 12)
         tail_low = _lane_sum(low, budget, BLOCK_V)
         path = tl.full((), SUPPORT_DENSE, tl.int32)

@@ -11,8 +11,9 @@ and K step for ~160 of arithmetic. Gluon lets the kernel name its layouts, its
 shared-memory traffic and which warps do what.
 
 Warp specialization. A 128 x 256 output tile is computed by two consumer warpgroups of 4
-warps, each owning 64 rows (its own accumulator, 128 fp32 registers per thread), and one
-TMA warp. The TMA warp fills ``STAGES`` shared-memory stages of (logits tile, E tile); each
+warps, each owning 64 rows (its own accumulator, 128 fp32 registers per thread), and a loader:
+one TMA warp, or with a row order (below) a warpgroup. The loader fills ``STAGES``
+shared-memory stages of (logits tile, E tile); each
 consumer waits for a stage, makes ``p`` for its rows, issues its wgmma asynchronously and
 releases the stage (an mbarrier that counts both warpgroups) once that wgmma is done. The
 warpgroups synchronise only within themselves (a named barrier of 128 threads), so one's
@@ -84,8 +85,8 @@ _copy_rows = (async_copy.async_load if hasattr(async_copy, "async_load")
 
 LOG2E = gl.constexpr(1.4426950408889634)
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 256, 64
-NUM_WARPS = 8  # 2 consumer warpgroups (+ the TMA warp, in a warpgroup of its own)
-# Registers per thread of the consumer warpgroups and of the TMA warp's warpgroup (setmaxnreg;
+NUM_WARPS = 8  # 2 consumer warpgroups (+ the loader, in a warpgroup of its own)
+# Registers per thread of the consumer warpgroups and of the loader's warpgroup (setmaxnreg;
 # 2 x 128 x 232 + 128 x 40 <= 64K).
 CONSUMER_REGS, LOADER_REGS = 232, 40
 # With a row order the loader warpgroup holds its rows' offsets across the K loop: more
@@ -556,7 +557,9 @@ def launch(logits, row_request, inv_t, lse, embed_weight, norm_tensor, norm_valu
            row_order, kept_count, threshold, out_index, vocab_start, plan, scratch, placeholder):
     """Launch for one call of ``soft_embedding.soft_embedding_rows`` (inputs checked there) on
     ``plan`` (``soft_embedding.plan_split``, or ``plans_by_count`` where the kept count stays on
-    the device); ``row_order`` (int64, kept rows first) with
+    the device); ``row_order`` (int64, the kept rows first and in increasing order, as
+    ``soft_embedding._kept_first`` makes it: the loader's test for consecutive rows relies on
+    it) with
     ``kept_count`` ([1] int32 on the device), or both None for every row in order;
     ``placeholder`` stands in for absent tensors."""
     assert (row_order is None) == (kept_count is None), "row_order and kept_count go together"

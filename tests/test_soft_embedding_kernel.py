@@ -291,7 +291,8 @@ def test_num_kept_hint(hint):
 def test_schedule_by_the_device_count_is_the_plan_of_that_count(kept):
     """With ``keep`` and no host count the kernel reads its schedule from ``plans_by_count`` by
     the kept count on the device: the result is the one of the host plan for that count, bit
-    for bit (the same tiles, the same split), and the programs past it write nothing."""
+    for bit (the same tiles, the same split; the launch's extra programs change nothing), and
+    the rows not kept are zero."""
     case = make_case(requests=2, width=37, seed=9)
     n = case.logits.shape[0]
     keep = torch.zeros(n, dtype=torch.bool, device=DEVICE)
@@ -766,6 +767,6 @@ def test_gluon_kernel_compiles_for_sm90_without_spills():
     run = subprocess.run([sys.executable, str(tools / "compile_sm90.py"), "--dtypes", "float32,bfloat16"],
                          env=env, capture_output=True, text=True, timeout=600)
     report = [line for line in run.stdout.splitlines() if " shared " in line]
-    assert run.returncode == 0 and len(report) == 6, run.stdout[-2000:] + run.stderr[-2000:]
+    assert run.returncode == 0 and len(report) == 8, run.stdout[-2000:] + run.stderr[-2000:]
     for line in report:
         assert "0 bytes spill stores" in line and "Used " in line, line

@@ -4,7 +4,8 @@ Triton compiles for a target it is told, and ptxas ships in the wheel: with the 
 replaced by a stand-in that names an H100/H200 (sm_90) and launches turned into warm-ups,
 ``soft_embedding_wgmma.launch`` compiles exactly what it would run, and ptxas reports the
 registers, spills and shared memory of each specialization (fp32 / bf16 / fp16 logits, with
-and without a top-k/top-p threshold, rows in order or gathered by a row order). Use it to
+and without a top-k/top-p threshold, rows in order or by a row order planned on the device
+or on the host). Use it to
 check a kernel change before spending device time; speed still needs the GPU.
 
 The device runs Triton 3.6; to compile with that version here, put its wheel in a virtualenv
@@ -178,14 +179,18 @@ def main() -> None:
         # rows by a row order, scheduled by the kept count on the device (as with ``keep``)
         order, count = torch.arange(n), torch.full((1,), n, dtype=torch.int32)
         by_count = se.plans_by_count(n, h, v, cfg, 132, torch.device("cpu"))
-        for threshold, gather in ((None, False), (lse, False), (None, True)):
+        # (and once planned on the host, as with ``num_kept``)
+        for threshold, gather, on_device in ((None, False, False), (lse, False, False),
+                                             (None, True, True), (None, True, False)):
             kernel = wg.launch(logits, row_request, inv_t, lse, embed, None, 1.0, out,
                                row_order=order if gather else None,
                                kept_count=count if gather else None, threshold=threshold,
-                               out_index=None, vocab_start=0, plan=by_count if gather else plan,
-                               scratch=inv_t, placeholder=inv_t)
+                               out_index=None, vocab_start=0,
+                               plan=by_count if on_device else plan, scratch=inv_t,
+                               placeholder=inv_t)
             name = (str(dtype).replace('torch.', '') + ("_threshold" if threshold is not None else "")
-                    + ("_row_order" if gather else ""))
+                    + ("_row_order" if gather else "") + ("_host_plan" if gather and not on_device
+                                                          else ""))
             with tempfile.TemporaryDirectory() as tmp:
                 cubin = os.path.join(tmp, "k.cubin")
                 report, lines = assemble(ptxas, kernel.asm["ptx"], cubin)
