@@ -231,7 +231,6 @@ def support_rows(
     entropy: torch.Tensor | None = None,
     entropy_bound: float = float("inf"),
     block_v: int | None = None,
-    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton twin of ``dgemma_sampler.support.support_rows``: returns (path [N] int8,
     count [N] int32, ids [N, K] int32 -1 padded). ``bin_weights`` [NUM_BINS] int64, ``budget``
@@ -270,9 +269,8 @@ def support_rows(
     if block_v is None:
         block_v = 256 if interpret else 4096
     assert block_v >= 32 and block_v & (block_v - 1) == 0, "block_v: a power of two >= 32"
-    if num_warps is None:
-        # 16 warps x 4096 columns (two blocks in flight, ~120 registers: one program per SM)
-        num_warps = 4 if block_v < 4096 else 16
+    # 16 warps x 4096 columns (two blocks in flight, ~120 registers: one program per SM)
+    num_warps = 4 if block_v < 4096 else 16
     placeholder = lse
     support_kernel[(n_rows,)](
         logits, row_request, temperature, inv_t, lse,

@@ -559,8 +559,7 @@ def launch(logits, row_request, inv_t, lse, embed_weight, norm_tensor, norm_valu
     ``plan`` (``soft_embedding.plan_split``, or ``plans_by_count`` where the kept count stays on
     the device); ``row_order`` (int64, the kept rows first and in increasing order, as
     ``soft_embedding._kept_first`` makes it: the loader's test for consecutive rows relies on
-    it) with
-    ``kept_count`` ([1] int32 on the device), or both None for every row in order;
+    it) with ``kept_count`` ([1] int32 on the device), or both None for every row in order;
     ``placeholder`` stands in for absent tensors."""
     assert (row_order is None) == (kept_count is None), "row_order and kept_count go together"
     descs = tile_descriptors(logits, embed_weight, vocab_start, (BLOCK_M, BLOCK_K), (BLOCK_K, BLOCK_N))
