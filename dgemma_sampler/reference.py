@@ -280,6 +280,7 @@ def soft_embedding_rows(
     out: torch.Tensor | None = None,
     out_index: torch.Tensor | None = None,
     chunk_rows: int = 64,
+    inv_t: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference ``normalizer * softmax(z)[:, vocab_start:+V_local] @ E`` over flat rows.
 
@@ -289,13 +290,15 @@ def soft_embedding_rows(
 
     ``out`` is ``[M, H]`` fp32 (a view of a slot-indexed buffer is fine); with
     ``out_index`` ([N] int64) row n is written to ``out[out_index[n]]``, else to ``out[n]``.
-    Returns ``out``.
+    ``inv_t``: ``inverse_temperature(temperature)`` where the caller has it already (a step
+    computes it once for its three soft-embedding calls). Returns ``out``.
     """
     n_rows = logits.shape[0]
     v_local, hidden = embed_weight.shape
     if out is None:
         out = torch.empty(n_rows, hidden, dtype=torch.float32, device=logits.device)
-    inv_t = inverse_temperature(temperature)
+    if inv_t is None:
+        inv_t = inverse_temperature(temperature)
     # A float stays a float: a device tensor made from it would be a synchronising copy.
     norm = normalizer.to(logits.device, torch.float32) if isinstance(normalizer, torch.Tensor) \
         else float(normalizer)

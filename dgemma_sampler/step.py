@@ -33,7 +33,7 @@ from typing import Protocol
 
 import torch
 
-from . import envs, support
+from . import envs, reference, support
 from .keyed_noise import Stream, random_tokens
 from .reference import RowStats
 
@@ -364,12 +364,15 @@ def decode_step(
     request = layout.request
 
     def prologue():
-        return temperature_of(slots), state.seeds[slots], state.draws[slots]
+        # (the soft embedding's inverse temperature: its kernels' three calls share it)
+        temperature = temperature_of(slots)
+        return (temperature, reference.inverse_temperature(temperature), state.seeds[slots],
+                state.draws[slots])
 
     if update_runner is None:
-        temperature, seeds, draws = prologue()
+        temperature, inv_t, seeds, draws = prologue()
     else:
-        temperature, seeds, draws = update_runner.prologue(prologue, slots.device)
+        temperature, inv_t, seeds, draws = update_runner.prologue(prologue, slots.device)
     kwargs = dict(softcap=softcap, top_k=top_k, top_p=top_p, allowed=allowed)
     if column_tokens is not None:
         kwargs["column_tokens"] = column_tokens
@@ -400,7 +403,7 @@ def decode_step(
         threshold = flat.threshold if (top_k is not None or top_p is not None) else None
         soft_args = (logits, request, temperature, flat.lse, embed_weight, normalizer)
         soft_kwargs = dict(keep=keep, threshold=threshold, allowed=allowed, vocab_start=vocab_start,
-                           softcap=softcap, out=sc_rows, out_index=layout.sc_index)
+                           softcap=softcap, out=sc_rows, out_index=layout.sc_index, inv_t=inv_t)
         slice_eps = support.slice_tail_eps(tail_eps, embed_weight.shape[0] / cols)
         if slice_eps > 0:
             _, rows_support = support.soft_embedding_tail(

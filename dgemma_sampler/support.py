@@ -177,11 +177,13 @@ class Support:
     rows; for rows dense by the pass the candidates, at most ``2K + 1``, and ``2K + 1`` where
     the mass below the lowest cut alone passes ``eps``; -1 where no pass ran:
     not kept, filtered), ``ids`` [N, K] int32 (S's columns relative to
-    ``vocab_start`` in vocabulary order for sparse rows, -1 padded)."""
+    ``vocab_start`` in vocabulary order for sparse rows, -1 padded), ``rows`` [NUM_PATHS] int64
+    the rows per path where the support pass counted them (else ``path_rows`` counts)."""
 
     path: torch.Tensor
     count: torch.Tensor
     ids: torch.Tensor
+    rows: torch.Tensor | None = None
 
     def sparse(self) -> torch.Tensor:
         return (self.path == PATH_TOP1) | (self.path == PATH_SUPPORT)
@@ -191,6 +193,8 @@ class Support:
 
     def path_rows(self) -> torch.Tensor:
         """``[NUM_PATHS]`` int64 row counts per path, on the device (no sync)."""
+        if self.rows is not None:
+            return self.rows
         # (torch.bincount would ask the device for the largest value: a host sync)
         rows = torch.zeros(NUM_PATHS, dtype=torch.int64, device=self.path.device)
         return rows.index_add_(0, self.path.to(torch.int64), torch.ones_like(self.path, dtype=torch.int64))
@@ -223,12 +227,16 @@ def support_rows(
     entropy: torch.Tensor | None = None,
     entropy_bound: float = math.inf,
     chunk_rows: int = 64,
+    inv_t: torch.Tensor | None = None,
+    path_rows: torch.Tensor | None = None,
 ) -> Support:
     """Reference support decision over flat rows (module docstring), for the logits columns
     ``[vocab_start, vocab_start + v_local)``. ``argmax`` [N] int64 (column ids) enables tier 1,
     ``entropy`` [N] fp32 with ``entropy_bound`` (``entropy_skip_f32``) tier 2. ``bin_weights``
     ``budget`` and ``lowest`` default to ``default_bin_weights()``, ``tail_budget(tail_eps)`` and
-    ``lowest_cut(tail_eps, max_support)``."""
+    ``lowest_cut(tail_eps, max_support)``. ``inv_t``: ``reference.inverse_temperature(temperature)``
+    where the caller has it; ``path_rows`` ([NUM_PATHS] int64), when given, gets the rows of
+    each path added to it."""
     n_rows, vocab = logits.shape
     v_local = vocab - vocab_start if v_local is None else v_local
     dev = logits.device
@@ -236,7 +244,8 @@ def support_rows(
     path = torch.full((n_rows,), PATH_SUPPORT, dtype=torch.int8, device=dev)
     count = torch.full((n_rows,), -1, dtype=torch.int32, device=dev)
     ids = torch.full((n_rows, k), -1, dtype=torch.int32, device=dev)
-    inv_t = reference.inverse_temperature(temperature)
+    if inv_t is None:
+        inv_t = reference.inverse_temperature(temperature)
     greedy_req = temperature.to(torch.float32) == 0
     weights = bin_weights.to(dev) if bin_weights is not None else default_bin_weights(dev)
     budget = tail_budget(tail_eps) if budget is None else budget
@@ -320,7 +329,9 @@ def support_rows(
             first = top1 & (rows_path == PATH_TOP1)
             row_ids[:, 0] = torch.where(first, a_loc.to(torch.int32), row_ids[:, 0])
         ids[r0:r1] = row_ids
-    return Support(path, count, ids)
+    if path_rows is not None:
+        path_rows.index_add_(0, path.to(torch.int64), torch.ones_like(path, dtype=torch.int64))
+    return Support(path, count, ids, path_rows)
 
 
 def gather_rows(
@@ -338,12 +349,14 @@ def gather_rows(
     softcap: float | None = None,
     out: torch.Tensor,
     out_index: torch.Tensor | None = None,
+    inv_t: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference gather: for the sparse rows (``path``, ``count``, ``ids`` of a ``Support``),
     ``out[row] = normalizer * sum_{v in S} p_v E[v]`` (fp32, vocabulary order); other rows of
     ``out`` are left alone. ``p_v = 2^((z_v - lse) log2 e)`` as the kernel computes it.
     Fixed shapes over all rows (p = 0 outside S), so no host sync."""
-    inv_t = reference.inverse_temperature(temperature)
+    if inv_t is None:
+        inv_t = reference.inverse_temperature(temperature)
     # a float stays a float: no host-to-device copy
     norm = normalizer.to(logits.device, torch.float32) if isinstance(normalizer, torch.Tensor) \
         else float(normalizer)
@@ -369,11 +382,14 @@ def decide_support(support_fn, logits, row_request, temperature, lse, *, tail_ep
                    max_support: int = MAX_SUPPORT, **kwargs) -> Support:
     """``support_fn`` (``support_rows`` of either backend) with the pass's constants for
     ``tail_eps`` (bin weights on the logits' device, budget, lowest cut); the result as a
-    ``Support``. ``kwargs``: the other arguments of ``support_rows``."""
+    ``Support``, its rows per path counted by the pass. ``kwargs``: the other arguments of
+    ``support_rows``."""
+    rows = torch.zeros(NUM_PATHS, dtype=torch.int64, device=logits.device)
     res = support_fn(logits, row_request, temperature, lse, tail_eps=tail_eps,
                      bin_weights=weights_on(logits.device), budget=tail_budget(tail_eps),
-                     lowest=lowest_cut(tail_eps, max_support), max_support=max_support, **kwargs)
-    return res if isinstance(res, Support) else Support(*res)
+                     lowest=lowest_cut(tail_eps, max_support), max_support=max_support,
+                     path_rows=rows, **kwargs)
+    return res if isinstance(res, Support) else Support(*res, rows)
 
 
 def soft_embedding_tail(
@@ -381,13 +397,16 @@ def soft_embedding_tail(
     logits, row_request, temperature, lse, embed_weight, normalizer, *,
     tail_eps: float, keep=None, threshold=None, allowed=None, vocab_start: int = 0,
     softcap=None, out=None, out_index=None, argmax=None, entropy=None,
-    max_support: int = MAX_SUPPORT,
+    max_support: int = MAX_SUPPORT, inv_t=None,
 ) -> tuple[torch.Tensor, Support]:
     """Soft embedding with a tail tolerance, from a backend's three functions: the support
     decision, the dense soft embedding (``soft_embedding_rows``) of the dense rows, then the
     gather of the sparse rows (after the dense pass, which zeroes the rows it does not keep).
-    Returns (out, support).
+    ``inv_t`` (``reference.inverse_temperature(temperature)``, optional) is computed once for
+    the three. Returns (out, support).
     """
+    if inv_t is None:
+        inv_t = reference.inverse_temperature(temperature)
     vocab = logits.shape[1]
     v_local = embed_weight.shape[0]
     check_tail_eps(tail_eps)
@@ -400,14 +419,14 @@ def soft_embedding_tail(
                              max_support=max_support, v_local=v_local, vocab_start=vocab_start,
                              keep=keep, threshold=threshold, allowed=allowed, softcap=softcap,
                              argmax=argmax, entropy=entropy if h_skip < math.inf else None,
-                             entropy_bound=h_skip)
+                             entropy_bound=h_skip, inv_t=inv_t)
     dense_keep = support.dense()
     out = dense_fn(logits, row_request, temperature, lse, embed_weight, normalizer,
                    keep=dense_keep, threshold=threshold, allowed=allowed, vocab_start=vocab_start,
-                   softcap=softcap, out=out, out_index=out_index)
+                   softcap=softcap, out=out, out_index=out_index, inv_t=inv_t)
     gather_fn(logits, row_request, temperature, lse, embed_weight, normalizer,
               support.path, support.count, support.ids,
-              vocab_start=vocab_start, softcap=softcap, out=out, out_index=out_index)
+              vocab_start=vocab_start, softcap=softcap, out=out, out_index=out_index, inv_t=inv_t)
     return out, support
 
 

@@ -83,6 +83,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from . import contract
+from .kept_rows import kept_first
 from .logit_row import exp2_ftz as _exp2
 from .logit_row import interpreting, softcapped
 from .tile_schedule import tile_of_program
@@ -675,13 +676,12 @@ def _plan(n_rows: int, planned_rows: int | None, keep, hidden: int, v_local: int
 
 
 def _kept_first(keep: torch.Tensor | None):
-    """(row order, kept count): the kept rows first, in row order (a stable argsort), and their
-    number as a ``[1]`` int32 tensor that stays on the device (no sync); (None, None) without
-    ``keep``."""
+    """(row order, kept count): the kept rows first, in row order (``kept_rows.kept_first``),
+    and their number as a ``[1]`` int32 tensor that stays on the device (no sync); (None, None)
+    without ``keep``."""
     if keep is None:
         return None, None
-    return (torch.argsort(keep.logical_not().to(torch.uint8), stable=True),
-            keep.sum(dtype=torch.int32).reshape(1))
+    return kept_first(keep)
 
 
 def _merge_split(plan, cfg: TileConfig, out, out_index, scratch, row_order, kept_count,
@@ -768,6 +768,7 @@ def soft_embedding_rows(
     num_sms: int | None = None,
     wgmma: bool | None = None,
     tune: bool = True,
+    inv_t: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton twin of ``reference.soft_embedding_rows`` (same arguments, same result; inputs are
     validated by the caller, ``dgemma_sampler.ops``, and only asserted here). The kernel tiles
@@ -787,6 +788,8 @@ def soft_embedding_rows(
     where it applies and no ``config`` is given, False: never, True: always (an error where it
     does not apply). ``tune`` False: the first tile config that fits, unchecked for register
     spills (``_pick_config``). ``dgemma_sampler.ops`` sets both from the environment (``envs``).
+    ``inv_t``: ``contract.inverse_temperature(temperature)`` where the caller has it (a step
+    computes it once for its soft-embedding kernels).
     """
     _check_inputs(logits, row_request, temperature, lse, embed_weight, keep, threshold, allowed,
                   vocab_start, out, out_index, num_kept)
@@ -800,7 +803,8 @@ def soft_embedding_rows(
     if n_rows == 0 or hidden == 0:
         return out
 
-    inv_t = contract.inverse_temperature(temperature)
+    if inv_t is None:
+        inv_t = contract.inverse_temperature(temperature)
     norm_is_tensor = isinstance(normalizer, torch.Tensor)
     norm_tensor = normalizer.reshape(1).to(dev) if norm_is_tensor else None
     norm_value = 1.0 if norm_is_tensor else float(normalizer)

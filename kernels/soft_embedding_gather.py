@@ -80,6 +80,7 @@ def gather_rows(
     out: torch.Tensor,
     out_index: torch.Tensor | None = None,
     block_h: int | None = None,
+    inv_t: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton twin of ``dgemma_sampler.support.gather_rows``: writes the sparse rows of ``out``
     (``[M, H]`` fp32; row n goes to ``out[out_index[n]]`` when given) and leaves the others."""
@@ -97,7 +98,8 @@ def gather_rows(
         assert out_index.shape == (n_rows,) and out_index.dtype == torch.int64
     if n_rows == 0 or hidden == 0:
         return out
-    inv_t = contract.inverse_temperature(temperature)
+    if inv_t is None:
+        inv_t = contract.inverse_temperature(temperature)
     norm_is_tensor = isinstance(normalizer, torch.Tensor)
     norm_tensor = normalizer.reshape(1).to(logits.device) if norm_is_tensor else lse
     if block_h is None:

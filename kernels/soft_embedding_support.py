@@ -95,10 +95,11 @@ def _lane_sum(low, budget, BLOCK_V: tl.constexpr):
 def support_kernel(
     logits_ptr, row_request_ptr, temperature_ptr, inv_t_ptr, lse_ptr, threshold_ptr, allowed_ptr,
     keep_ptr, argmax_ptr, entropy_ptr, weights_ptr, path_ptr, count_ptr, ids_ptr, cand_ptr,
-    v_local, vocab_start, stride_logits, stride_allowed,
+    path_rows_ptr, v_local, vocab_start, stride_logits, stride_allowed,
     tail_eps, budget, entropy_bound, min_top, lowest,
     HAS_KEEP: tl.constexpr, HAS_THRESHOLD: tl.constexpr, HAS_ALLOWED: tl.constexpr,
-    HAS_ARGMAX: tl.constexpr, HAS_ENTROPY: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_ARGMAX: tl.constexpr, HAS_ENTROPY: tl.constexpr, HAS_PATH_ROWS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     K: tl.constexpr, CAP: tl.constexpr, NUM_BINS: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -207,6 +208,8 @@ def support_kernel(
     count = tl.where(kept, count, -1)
     tl.store(path_ptr + row, path.to(tl.int8))
     tl.store(count_ptr + row, count)
+    if HAS_PATH_ROWS:  # integer adds: the counts do not depend on the order rows arrive in
+        tl.atomic_add(path_rows_ptr + path, 1)
     tl.store(ids_ptr + row * K, a_loc.to(tl.int32), mask=top1)
 
 
@@ -231,9 +234,12 @@ def support_rows(
     entropy: torch.Tensor | None = None,
     entropy_bound: float = float("inf"),
     block_v: int | None = None,
+    inv_t: torch.Tensor | None = None,
+    path_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton twin of ``dgemma_sampler.support.support_rows``: returns (path [N] int8,
-    count [N] int32, ids [N, K] int32 -1 padded). ``bin_weights`` [NUM_BINS] int64, ``budget``
+    count [N] int32, ids [N, K] int32 -1 padded), and adds the rows of each path to
+    ``path_rows`` ([NUM_PATHS] int64) when given. ``bin_weights`` [NUM_BINS] int64, ``budget``
     (eps in 2^-56 units) and ``lowest`` (the lowest cut's bin) come from
     ``dgemma_sampler.support``. Scratch: ``[N, 2K]`` int32 of candidates."""
     n_rows, vocab = logits.shape
@@ -257,6 +263,9 @@ def support_rows(
             assert t.shape == (n_rows,) and t.dtype == dt, f"{name} must be [N] {dt}"
     if allowed is not None:
         assert allowed.dim() == 2 and allowed.dtype == torch.bool and allowed.shape[1] == vocab
+    if path_rows is not None:
+        assert path_rows.shape == (contract.NUM_PATHS,) and path_rows.dtype == torch.int64, \
+            "path_rows must be [NUM_PATHS] int64"
     k = max_support
     path = torch.empty(n_rows, dtype=torch.int8, device=dev)
     count = torch.empty(n_rows, dtype=torch.int32, device=dev)
@@ -264,7 +273,8 @@ def support_rows(
     if n_rows == 0:
         return path, count, ids
     candidates = torch.empty(n_rows, 2 * k, dtype=torch.int32, device=dev)
-    inv_t = contract.inverse_temperature(temperature)
+    if inv_t is None:
+        inv_t = contract.inverse_temperature(temperature)
     interpret = interpreting()
     if block_v is None:
         block_v = 256 if interpret else 4096
@@ -280,11 +290,13 @@ def support_rows(
         placeholder if argmax is None else argmax,
         placeholder if entropy is None else entropy,
         bin_weights, path, count, ids, candidates,
+        placeholder if path_rows is None else path_rows,
         v_local, vocab_start, logits.stride(0), 0 if allowed is None else allowed.stride(0),
         float(tail_eps), int(budget), float(entropy_bound), (1.0 - tail_eps) / k, int(lowest),
         HAS_KEEP=keep is not None, HAS_THRESHOLD=threshold is not None,
         HAS_ALLOWED=allowed is not None, HAS_ARGMAX=argmax is not None,
-        HAS_ENTROPY=entropy is not None, SOFTCAP=0.0 if softcap is None else float(softcap),
+        HAS_ENTROPY=entropy is not None, HAS_PATH_ROWS=path_rows is not None,
+        SOFTCAP=0.0 if softcap is None else float(softcap),
         K=k, CAP=2 * k, NUM_BINS=num_bins, BLOCK_V=block_v, num_warps=num_warps,
     )
     return path, count, ids

@@ -498,6 +498,14 @@ def _p_swizzle(logits_bytes: int) -> int:
     return 64 if logits_bytes == 4 else 128
 
 
+def local_columns(logits: torch.Tensor, vocab_start: int, v_local: int) -> torch.Tensor:
+    """The columns ``[vocab_start, vocab_start + v_local)`` of ``logits``: the tensor itself
+    where that is all of them (a slice is an operator the host dispatches, three per call)."""
+    if vocab_start == 0 and v_local == logits.shape[1]:
+        return logits
+    return logits[:, vocab_start:vocab_start + v_local]
+
+
 def supported(logits: torch.Tensor, embed_weight: torch.Tensor, vocab_start: int, allowed, softcap) -> bool:
     """Whether this kernel can run the call (else the Triton kernel does)."""
     if logits.device.type != "cuda" or cuda_capability(logits.device)[0] != 9:
@@ -509,7 +517,7 @@ def supported(logits: torch.Tensor, embed_weight: torch.Tensor, vocab_start: int
     if embed_weight.dtype not in (torch.bfloat16, torch.float16):
         return False
     v_local, hidden = embed_weight.shape
-    local = logits[:, vocab_start:vocab_start + v_local]
+    local = local_columns(logits, vocab_start, v_local)
     for t in (local, embed_weight):
         if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
             return False
@@ -546,7 +554,7 @@ def tile_descriptors(logits, embed_weight, vocab_start: int, x_box: tuple, e_box
     loading boxes of ``x_box`` and ``e_box``."""
     n_rows = logits.shape[0]
     v_local, hidden = embed_weight.shape
-    local = logits[:, vocab_start:vocab_start + v_local]
+    local = local_columns(logits, vocab_start, v_local)
     x_layout, e_layout = _tile_layouts(logits.dtype, embed_weight.dtype, x_box, e_box)
     return (TensorDescriptor(local, [n_rows, v_local], [logits.stride(0), 1], list(x_box), x_layout),
             TensorDescriptor(embed_weight, [v_local, hidden], [embed_weight.stride(0), 1],
@@ -565,7 +573,7 @@ def launch(logits, row_request, inv_t, lse, embed_weight, norm_tensor, norm_valu
     descs = tile_descriptors(logits, embed_weight, vocab_start, (BLOCK_M, BLOCK_K), (BLOCK_K, BLOCK_N))
     v_local = embed_weight.shape[0]
     return soft_embedding_wgmma_kernel[(plan.programs,)](
-        *descs, logits[:, vocab_start:vocab_start + v_local], logits.stride(0),
+        *descs, local_columns(logits, vocab_start, v_local), logits.stride(0),
         row_request, inv_t, lse,
         placeholder if threshold is None else threshold,
         placeholder if row_order is None else row_order,

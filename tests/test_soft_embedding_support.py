@@ -443,12 +443,17 @@ def test_support_kernel_matches_oracle(case):
                   vocab_start=vocab_start, v_local=v_local,
                   keep=keep, argmax=st.argmax.reshape(-1), entropy=st.entropy.reshape(-1),
                   entropy_bound=h, **kw)
-    want = sp.support_rows(*args, **common)
-    path, count, ids = kernel_support(*args, **common)
+    # the rows per path, added by both to what is there
+    rows_oracle, rows_kernel = (torch.full((sp.NUM_PATHS,), 3, dtype=torch.int64, device=DEVICE)
+                                for _ in range(2))
+    want = sp.support_rows(*args, **common, path_rows=rows_oracle)
+    path, count, ids = kernel_support(*args, **common, path_rows=rows_kernel)
     assert torch.equal(path.cpu(), want.path.cpu())
     assert torch.equal(count.cpu(), want.count.cpu())
     assert torch.equal(ids.cpu(), want.ids.cpu())
     assert set(path.tolist()) >= {sp.PATH_NOT_KEPT, sp.PATH_SUPPORT}
+    counted = torch.bincount(path.cpu().long(), minlength=sp.NUM_PATHS) + 3
+    assert torch.equal(rows_kernel.cpu(), counted) and torch.equal(rows_oracle.cpu(), counted)
 
 
 @needs_triton
