@@ -277,9 +277,10 @@ def support_rows(
         inv_t = contract.inverse_temperature(temperature)
     interpret = interpreting()
     if block_v is None:
-        block_v = 256 if interpret else 4096
+        block_v = 256 if interpret else 1024
     assert block_v >= 32 and block_v & (block_v - 1) == 0, "block_v: a power of two >= 32"
-    # 16 warps x 4096 columns (two blocks in flight, ~120 registers: one program per SM)
+    # 4 warps x 1024 columns: four programs per SM (114 registers on sm_90), whose block
+    # reductions and stalls overlap; one program of 16 warps x 4096 waited on its own barriers
     num_warps = 4 if block_v < 4096 else 16
     placeholder = lse
     support_kernel[(n_rows,)](
