@@ -64,8 +64,9 @@ prologue off the layout round trip that Triton inserts here (see that file). Thi
 one for everything else, and the only one the interpreter can run.
 
 Rows with ``keep`` False: the kept rows are compacted to the front of a row order on the device
-(a stable argsort, no host sync) and their count stays on the device. M-tiles past the count skip
-the K loop and store zeros; within the last live M-tile, dropped rows are masked. The schedule is
+(``kept_rows.kept_first``: a stable partition in one program, no host sync) and their count
+stays on the device. M-tiles past the count skip the K loop and store zeros; within the last
+live M-tile, dropped rows are masked. The schedule is
 then the one ``plan_split`` makes for that count: ``plans_by_count`` tabulates it for every count
 (once per shape), the kernels read their row of the table by the count on the device, and the
 launch takes the largest grid, scratch and merge of any count (programs past their count's plan
