@@ -87,3 +87,14 @@ def cuda_capability(device: torch.device) -> tuple[int, int]:
     on every call, and the uncached query costs microseconds of host time each."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _capability(index)
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device, cached like ``cuda_capability``."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _sm_count(index)

@@ -581,17 +581,13 @@ def plans_by_count(rows: int, hidden: int, v_local: int, cfg: TileConfig, num_sm
     return _COUNT_PLANS[key]
 
 
-_NUM_SMS: dict[int, int] = {}
 _TUNED: dict[tuple, TileConfig] = {}
 
 
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return INTERPRETER_NUM_SMS
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _NUM_SMS:
-        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _NUM_SMS[index]
+    return contract.sm_count(device)
 
 
 def _pick_config(key: tuple, candidates: list[TileConfig], launch, tune: bool = True) -> TileConfig:

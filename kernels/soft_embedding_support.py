@@ -52,6 +52,7 @@ SUPPORT_DENSE = tl.constexpr(contract.PATH_SUPPORT_DENSE)
 MARGIN_OFFSET = tl.constexpr(contract.LSE_MARGIN_OFFSET)
 MARGIN_SCALE = tl.constexpr(contract.LSE_MARGIN_SCALE)
 LOW_CHECK = tl.constexpr(4)  # blocks between two looks at the sum below the lowest cut
+MANY_ROWS_PER_SM = 16  # rows per SM from which the pass takes small blocks (support_rows)
 
 
 @triton.jit
@@ -277,10 +278,12 @@ def support_rows(
         inv_t = contract.inverse_temperature(temperature)
     interpret = interpreting()
     if block_v is None:
-        block_v = 256 if interpret else 1024
+        # With many rows, 4 warps x 1024 columns: four programs per SM (114 registers on sm_90)
+        # whose block reductions and stalls overlap (one program of 16 warps x 4096 waits on its
+        # own barriers). With few, one program of 16 warps x 4096 per row streams it faster.
+        # The result does not depend on the block (the module docstring's counts and sums).
+        block_v = 256 if interpret else 1024 if n_rows >= MANY_ROWS_PER_SM * contract.sm_count(dev) else 4096
     assert block_v >= 32 and block_v & (block_v - 1) == 0, "block_v: a power of two >= 32"
-    # 4 warps x 1024 columns: four programs per SM (114 registers on sm_90), whose block
-    # reductions and stalls overlap; one program of 16 warps x 4096 waited on its own barriers
     num_warps = 4 if block_v < 4096 else 16
     placeholder = lse
     support_kernel[(n_rows,)](

@@ -42,12 +42,11 @@ oracle's fp64 softmax, so ``t_p`` can differ only where the cumulative mass at a
 within about 1e-6 relative of ``p`` (tests check that such a miss is such a near-tie).
 """
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from . import contract
 from . import keyed_noise as kn
 from .logit_row import (
     FLT_MAX,
@@ -622,16 +621,11 @@ def _candidate_stats(values, ids, present, thr, row, request, row_position_ptr,
         tl.store(sample_key_ptr + row, best)
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _programs(n_rows: int, device: torch.device, per_sm: int) -> int:
     """Persistent grid: a few programs per SM, each walking rows (scratch is per program)."""
     if device.type != "cuda":
         return max(1, min(n_rows, 4))
-    return max(1, min(n_rows, per_sm * _sm_count(device.index or 0)))
+    return max(1, min(n_rows, per_sm * contract.sm_count(device)))
 
 
 def threshold_rows(logits, row_request, row_position, temperature, inv_t, seeds, draws, out, *,
@@ -698,7 +692,7 @@ def threshold_rows(logits, row_request, row_position, temperature, inv_t, seeds,
         # uncapped (up to 255 registers) only while one program per row, at that size, all
         # fit on the chip at once
         uncapped_per_sm = max(1, 65536 // (256 * 32 * num_warps))
-        many_rows = dev.type == "cuda" and n_rows > uncapped_per_sm * _sm_count(dev.index or 0)
+        many_rows = dev.type == "cuda" and n_rows > uncapped_per_sm * contract.sm_count(dev)
         maxnreg = 96 if many_rows else None
     programs = _programs(n_rows, dev, programs_per_sm)
     cand = torch.empty(programs, cap, dtype=torch.int64, device=dev)
