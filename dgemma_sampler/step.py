@@ -362,12 +362,13 @@ def decode_step(
     if layout is None:
         layout = step_layout(state, slots, row_starts, valid_len, width, W, n_rows)
     request = layout.request
+    soft = soft_fn is not None and embed_weight is not None
 
     def prologue():
         # (the soft embedding's inverse temperature: its kernels' three calls share it)
         temperature = temperature_of(slots)
-        return (temperature, reference.inverse_temperature(temperature), state.seeds[slots],
-                state.draws[slots])
+        inv_t = reference.inverse_temperature(temperature) if soft else None
+        return temperature, inv_t, state.seeds[slots], state.draws[slots]
 
     if update_runner is None:
         temperature, inv_t, seeds, draws = prologue()
@@ -377,7 +378,6 @@ def decode_step(
     if column_tokens is not None:
         kwargs["column_tokens"] = column_tokens
     flat = stats_fn(logits, request, layout.position, temperature, seeds, draws, **kwargs)
-    soft = soft_fn is not None and embed_weight is not None
     phantom_argmax = 0 if column_tokens is None else column_tokens[0]
 
     def update(flat_stats: RowStats, gather: bool = False) -> tuple[StepOutput, torch.Tensor | None]:

@@ -331,7 +331,7 @@ def support_rows(
         ids[r0:r1] = row_ids
     if path_rows is not None:
         path_rows.index_add_(0, path.to(torch.int64), torch.ones_like(path, dtype=torch.int64))
-    return Support(path, count, ids, path_rows)
+    return Support(path, count, ids)
 
 
 def gather_rows(
@@ -354,7 +354,8 @@ def gather_rows(
     """Reference gather: for the sparse rows (``path``, ``count``, ``ids`` of a ``Support``),
     ``out[row] = normalizer * sum_{v in S} p_v E[v]`` (fp32, vocabulary order); other rows of
     ``out`` are left alone. ``p_v = 2^((z_v - lse) log2 e)`` as the kernel computes it.
-    Fixed shapes over all rows (p = 0 outside S), so no host sync."""
+    Fixed shapes over all rows (p = 0 outside S), so no host sync. ``inv_t``:
+    ``reference.inverse_temperature(temperature)`` where the caller has it."""
     if inv_t is None:
         inv_t = reference.inverse_temperature(temperature)
     # a float stays a float: no host-to-device copy
@@ -389,7 +390,8 @@ def decide_support(support_fn, logits, row_request, temperature, lse, *, tail_ep
                      bin_weights=weights_on(logits.device), budget=tail_budget(tail_eps),
                      lowest=lowest_cut(tail_eps, max_support), max_support=max_support,
                      path_rows=rows, **kwargs)
-    return res if isinstance(res, Support) else Support(*res, rows)
+    path, count, ids = (res.path, res.count, res.ids) if isinstance(res, Support) else res
+    return Support(path, count, ids, rows)
 
 
 def soft_embedding_tail(

@@ -1,8 +1,8 @@
 """The logits-free parts of a decode step, replayed from CUDA graphs while the batch keeps its shape.
 
 Around the two kernels that read the logits a step runs ~60 small PyTorch operators: before
-them the per-request gathers (temperature, seeds, draws), between them the state update
-(padding, acceptance sort, renoise, ring, convergence, commit bookkeeping; see
+them the per-request gathers (temperature and its inverse, seeds, draws), between them the state
+update (padding, acceptance sort, renoise, ring, convergence, commit bookkeeping; see
 ``step.update_after_stats``). Each costs the host 15-25 us to dispatch and the GPU ~1-2 us to
 run, so with few requests the eager step is bound by the host: most of its host time is spent
 outside the two kernels' calls, and the GEMM, which needs the update's ``keep``, waits behind

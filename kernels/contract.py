@@ -68,6 +68,15 @@ def inverse_temperature(temperature: torch.Tensor) -> torch.Tensor:
     return temperature.to(torch.float32).clamp(min=GREEDY_CLAMP).reciprocal()
 
 
+def check_inverse_temperature(inv_t: torch.Tensor, temperature: torch.Tensor) -> None:
+    """Assert that a caller's ``inv_t`` can stand for ``inverse_temperature(temperature)``: one
+    fp32 value per request, on the same device (the kernels index it by request)."""
+    assert inv_t.dtype == torch.float32 and inv_t.shape == temperature.shape \
+        and inv_t.device == temperature.device, \
+        f"inv_t must be fp32 {tuple(temperature.shape)} on {temperature.device}, got " \
+        f"{inv_t.dtype} {tuple(inv_t.shape)} on {inv_t.device}"
+
+
 def check_tail_eps(tail_eps: object) -> None:
     """ValueError unless ``tail_eps`` is 0 or a finite float in ``[MIN_TAIL_EPS, MAX_TAIL_EPS]``
     (the one rule of ``SamplerConfig``, ``ops.soft_embedding`` and ``support``)."""

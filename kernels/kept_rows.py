@@ -49,8 +49,10 @@ def kept_first(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     device (no host synchronisation)."""
     assert keep.dim() == 1 and keep.dtype == torch.bool, "keep must be [N] bool"
     n_rows = keep.shape[0]
-    assert n_rows < 2**31, "positions are int32"
+    assert n_rows <= 2**30, "rows and positions are int32"
     order = torch.empty(n_rows, dtype=torch.int64, device=keep.device)
+    if n_rows == 0:
+        return order, torch.zeros(1, dtype=torch.int32, device=keep.device)
     count = torch.empty(1, dtype=torch.int32, device=keep.device)
     block = 256 if interpreting() else 2048
     kept_first_kernel[(1,)](keep.contiguous().view(torch.uint8), order, count, n_rows,

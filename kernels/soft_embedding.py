@@ -66,11 +66,11 @@ one for everything else, and the only one the interpreter can run.
 Rows with ``keep`` False: the kept rows are compacted to the front of a row order on the device
 (``kept_rows.kept_first``: a stable partition in one program, no host sync) and their count
 stays on the device. M-tiles past the count skip the K loop and store zeros; within the last
-live M-tile, dropped rows are masked. The schedule is
-then the one ``plan_split`` makes for that count: ``plans_by_count`` tabulates it for every count
-(once per shape), the kernels read their row of the table by the count on the device, and the
-launch takes the largest grid, scratch and merge of any count (programs past their count's plan
-find no tile). Pass ``num_kept`` (a host int, e.g. known from the scheduler) to plan on the host.
+live M-tile, dropped rows are masked. The schedule is then the one ``plan_split`` makes for
+that count: ``plans_by_count`` tabulates it for every count (once per shape), the kernels read
+their row of the table by the count on the device, and the launch takes the largest grid,
+scratch and merge of any count (programs past their count's plan find no tile). Pass
+``num_kept`` (a host int, e.g. known from the scheduler) to plan on the host.
 """
 
 from __future__ import annotations
@@ -802,6 +802,7 @@ def soft_embedding_rows(
 
     if inv_t is None:
         inv_t = contract.inverse_temperature(temperature)
+    contract.check_inverse_temperature(inv_t, temperature)
     norm_is_tensor = isinstance(normalizer, torch.Tensor)
     norm_tensor = normalizer.reshape(1).to(dev) if norm_is_tensor else None
     norm_value = 1.0 if norm_is_tensor else float(normalizer)

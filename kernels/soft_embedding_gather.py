@@ -83,7 +83,8 @@ def gather_rows(
     inv_t: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton twin of ``dgemma_sampler.support.gather_rows``: writes the sparse rows of ``out``
-    (``[M, H]`` fp32; row n goes to ``out[out_index[n]]`` when given) and leaves the others."""
+    (``[M, H]`` fp32; row n goes to ``out[out_index[n]]`` when given) and leaves the others.
+    ``inv_t``: ``contract.inverse_temperature(temperature)`` where the caller has it."""
     n_rows = logits.shape[0]
     hidden = embed_weight.shape[1]
     assert logits.dim() == 2 and logits.stride(1) == 1, "logits must be [N, V], contiguous in V"
@@ -100,6 +101,7 @@ def gather_rows(
         return out
     if inv_t is None:
         inv_t = contract.inverse_temperature(temperature)
+    contract.check_inverse_temperature(inv_t, temperature)
     norm_is_tensor = isinstance(normalizer, torch.Tensor)
     norm_tensor = normalizer.reshape(1).to(logits.device) if norm_is_tensor else lse
     if block_h is None:

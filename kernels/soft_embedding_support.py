@@ -29,9 +29,13 @@ Traffic: tiers 1 and 2 read O(1) per row. A row that runs the pass reads its log
 up to the block where its candidates pass 2K or its sum below J passes the budget (looked at
 every ``LOW_CHECK`` blocks); S comes from the scratch row, not a second read. A row dense by the
 pass reports ``min(candidates, 2K + 1)``, or ``2K + 1`` when the sum below J passes the budget,
-whichever block it stopped at.
+whichever block it stopped at. Each program adds its row to the count of its path (one integer
+atomic, when the caller asks for the counts).
 One program per row (the next block is loaded while this one is binned); programs of rows that
-need no pass exit at once.
+need no pass exit at once. Blocks of 1024 columns x 4 warps when the launch has many rows (four
+programs per SM overlap their block reductions), else 4096 x 16 (one program streams a row
+faster); no result depends on the block: candidates keep vocabulary order, and a lane or group
+sum saturated at ``budget + 1`` passes the budget exactly when the true sum does.
 """
 
 from __future__ import annotations
@@ -240,9 +244,10 @@ def support_rows(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton twin of ``dgemma_sampler.support.support_rows``: returns (path [N] int8,
     count [N] int32, ids [N, K] int32 -1 padded), and adds the rows of each path to
-    ``path_rows`` ([NUM_PATHS] int64) when given. ``bin_weights`` [NUM_BINS] int64, ``budget``
-    (eps in 2^-56 units) and ``lowest`` (the lowest cut's bin) come from
-    ``dgemma_sampler.support``. Scratch: ``[N, 2K]`` int32 of candidates."""
+    ``path_rows`` ([NUM_PATHS] int64) when given. ``inv_t``: the inverse temperature
+    (``contract.inverse_temperature(temperature)``) where the caller has it. ``bin_weights``
+    [NUM_BINS] int64, ``budget`` (eps in 2^-56 units) and ``lowest`` (the lowest cut's bin)
+    come from ``dgemma_sampler.support``. Scratch: ``[N, 2K]`` int32 of candidates."""
     n_rows, vocab = logits.shape
     dev = logits.device
     v_local = vocab - vocab_start if v_local is None else v_local
@@ -276,12 +281,13 @@ def support_rows(
     candidates = torch.empty(n_rows, 2 * k, dtype=torch.int32, device=dev)
     if inv_t is None:
         inv_t = contract.inverse_temperature(temperature)
+    contract.check_inverse_temperature(inv_t, temperature)
     interpret = interpreting()
     if block_v is None:
-        # With many rows, 4 warps x 1024 columns: four programs per SM (114 registers on sm_90)
-        # whose block reductions and stalls overlap (one program of 16 warps x 4096 waits on its
-        # own barriers). With few, one program of 16 warps x 4096 per row streams it faster.
-        # The result does not depend on the block (the module docstring's counts and sums).
+        # With many rows launched (not all reach the pass), 4 warps x 1024 columns: four
+        # programs per SM (114 registers on sm_90) whose block reductions and stalls overlap (one
+        # program of 16 warps x 4096 waits on its own barriers). With few, one program of 16 warps
+        # x 4096 per row streams it faster. The result does not depend on the block.
         block_v = 256 if interpret else 1024 if n_rows >= MANY_ROWS_PER_SM * contract.sm_count(dev) else 4096
     assert block_v >= 32 and block_v & (block_v - 1) == 0, "block_v: a power of two >= 32"
     num_warps = 4 if block_v < 4096 else 16

@@ -456,6 +456,53 @@ def test_support_kernel_matches_oracle(case):
     assert torch.equal(rows_kernel.cpu(), counted) and torch.equal(rows_oracle.cpu(), counted)
 
 
+def _block_runs(x, t, blocks, filters=True):
+    """The Triton support pass of ``x`` ([r, w, v] logits) with each block width in ``blocks``;
+    ``filters`` False: no argmax or entropy, every row takes the pass."""
+    from dgemma_sampler.kernels.soft_embedding_support import support_rows as kernel_support
+
+    r, w, v = x.shape
+    st = stats_of(x, t)
+    flat = x.reshape(r * w, v)
+    req = torch.arange(r, device=x.device).repeat_interleave(w)
+    common = dict(tail_eps=EPS, bin_weights=sp.weights_on(flat.device), budget=sp.tail_budget(EPS),
+                  lowest=sp.lowest_cut(EPS, sp.MAX_SUPPORT))
+    if filters:
+        common.update(argmax=st.argmax.reshape(-1), entropy=st.entropy.reshape(-1),
+                      entropy_bound=sp.entropy_skip_f32(EPS, sp.MAX_SUPPORT, v))
+    return [kernel_support(flat, req, t, st.lse.reshape(-1), **common, block_v=b) for b in blocks]
+
+
+@needs_triton
+def test_support_kernel_result_does_not_depend_on_its_block():
+    """The pass's block (chosen by the launch's row count) changes no row's path, count or S:
+    heavy tails stopped early and rows past 2K candidates included (k = 1..6 rows)."""
+    x = peaked_logits(2, 8, 3000, seed=5)
+    x[1, :3] = torch.randn(3, 3000, device=DEVICE) * 0.5  # broad rows: many candidates
+    x[1, 3, :200] = 30.0  # 200 tied tokens: past 2K candidates, but a light tail
+    for filters in (True, False):
+        runs = _block_runs(x, torch.tensor([0.65, 0.9], device=DEVICE), (32, 256, 1024), filters)
+        paths = set(runs[0][0].tolist())
+        assert sp.PATH_SUPPORT in paths and (filters or sp.PATH_SUPPORT_DENSE in paths)
+        for run in runs[1:]:
+            for a, b in zip(runs[0], run):
+                assert torch.equal(a, b)
+
+
+@needs_triton
+def test_inverse_temperature_from_the_caller_is_checked():
+    from dgemma_sampler.kernels.soft_embedding_support import support_rows as kernel_support
+
+    x = peaked_logits(1, 4, 300, seed=2).reshape(4, 300)
+    t = torch.tensor([0.5], device=DEVICE)
+    req = torch.zeros(4, dtype=torch.int64, device=DEVICE)
+    lse = torch.logsumexp(x / 0.5, dim=-1)
+    with pytest.raises(AssertionError, match="inv_t"):
+        kernel_support(x, req, t, lse, tail_eps=EPS, bin_weights=sp.weights_on(x.device),
+                       budget=sp.tail_budget(EPS), lowest=sp.lowest_cut(EPS, sp.MAX_SUPPORT),
+                       inv_t=torch.full((4,), 2.0, device=DEVICE))  # per row, not per request
+
+
 @needs_triton
 def test_a_heavy_tail_below_the_lowest_cut_is_dense_early():
     """A row whose mass below the lowest cut alone passes eps (1% spread evenly: each token far
@@ -548,6 +595,17 @@ def test_gpu_production_vocabulary(dtype):
     want = 5.0 * torch.softmax(z, dim=-1) @ e.double()
     err = (got.reshape(r * w, h)[rows].double() - want).abs().max()
     assert float(err) <= (EPS + 2.0**-16) * 5.0 * float(e.float().abs().max())
+
+
+@pytest.mark.gpu
+def test_gpu_support_blocks_agree_at_the_production_vocabulary():
+    """The two blocks the launch picks between (1024 x 4 warps with many rows, 4096 x 16 with few)
+    give the same path, count and S."""
+    x = peaked_logits(4, 64, 262144, device="cpu", seed=17).cuda()
+    x[3, :16] = torch.randn(16, 262144, device="cuda") * 0.5
+    small, large = _block_runs(x, torch.tensor([0.6, 0.4, 0.8, 0.7], device="cuda"), (1024, 4096))
+    for a, b in zip(small, large):
+        assert torch.equal(a, b)
 
 
 # -- the decode step ------------------------------------------------------------------------------
