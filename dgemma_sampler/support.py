@@ -195,9 +195,14 @@ class Support:
         """``[NUM_PATHS]`` int64 row counts per path, on the device (no sync)."""
         if self.rows is not None:
             return self.rows
-        # (torch.bincount would ask the device for the largest value: a host sync)
-        rows = torch.zeros(NUM_PATHS, dtype=torch.int64, device=self.path.device)
-        return rows.index_add_(0, self.path.to(torch.int64), torch.ones_like(self.path, dtype=torch.int64))
+        return add_path_rows(torch.zeros(NUM_PATHS, dtype=torch.int64, device=self.path.device),
+                             self.path)
+
+
+def add_path_rows(rows: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
+    """``rows`` ([NUM_PATHS] int64) plus the rows of each path code in ``path``, in place."""
+    # (torch.bincount would ask the device for the largest value: a host sync)
+    return rows.index_add_(0, path.to(torch.int64), torch.ones_like(path, dtype=torch.int64))
 
 
 def lse_margin(lse: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
@@ -330,7 +335,7 @@ def support_rows(
             row_ids[:, 0] = torch.where(first, a_loc.to(torch.int32), row_ids[:, 0])
         ids[r0:r1] = row_ids
     if path_rows is not None:
-        path_rows.index_add_(0, path.to(torch.int64), torch.ones_like(path, dtype=torch.int64))
+        add_path_rows(path_rows, path)
     return Support(path, count, ids)
 
 

@@ -465,18 +465,20 @@ def _block_runs(x, t, blocks, filters=True):
     st = stats_of(x, t)
     flat = x.reshape(r * w, v)
     req = torch.arange(r, device=x.device).repeat_interleave(w)
-    common = dict(tail_eps=EPS, bin_weights=sp.weights_on(flat.device), budget=sp.tail_budget(EPS),
-                  lowest=sp.lowest_cut(EPS, sp.MAX_SUPPORT))
+    filt = {}
     if filters:
-        common.update(argmax=st.argmax.reshape(-1), entropy=st.entropy.reshape(-1),
-                      entropy_bound=sp.entropy_skip_f32(EPS, sp.MAX_SUPPORT, v))
-    return [kernel_support(flat, req, t, st.lse.reshape(-1), **common, block_v=b) for b in blocks]
+        filt = dict(argmax=st.argmax.reshape(-1), entropy=st.entropy.reshape(-1),
+                    entropy_bound=sp.entropy_skip_f32(EPS, sp.MAX_SUPPORT, v))
+    runs = [sp.decide_support(kernel_support, flat, req, t, st.lse.reshape(-1), tail_eps=EPS,
+                              block_v=b, **filt) for b in blocks]
+    return [(s.path, s.count, s.ids, s.path_rows()) for s in runs]
 
 
 @needs_triton
 def test_support_kernel_result_does_not_depend_on_its_block():
-    """The pass's block (chosen by the launch's row count) changes no row's path, count or S:
-    heavy tails stopped early and rows past 2K candidates included (k = 1..6 rows)."""
+    """The pass's block (chosen by the launch's row count) changes no row's path, count, S or
+    the rows per path: heavy tails stopped early and rows past 2K candidates included (k = 1..6
+    rows)."""
     x = peaked_logits(2, 8, 3000, seed=5)
     x[1, :3] = torch.randn(3, 3000, device=DEVICE) * 0.5  # broad rows: many candidates
     x[1, 3, :200] = 30.0  # 200 tied tokens: past 2K candidates, but a light tail
@@ -498,9 +500,8 @@ def test_inverse_temperature_from_the_caller_is_checked():
     req = torch.zeros(4, dtype=torch.int64, device=DEVICE)
     lse = torch.logsumexp(x / 0.5, dim=-1)
     with pytest.raises(AssertionError, match="inv_t"):
-        kernel_support(x, req, t, lse, tail_eps=EPS, bin_weights=sp.weights_on(x.device),
-                       budget=sp.tail_budget(EPS), lowest=sp.lowest_cut(EPS, sp.MAX_SUPPORT),
-                       inv_t=torch.full((4,), 2.0, device=DEVICE))  # per row, not per request
+        sp.decide_support(kernel_support, x, req, t, lse, tail_eps=EPS,
+                          inv_t=torch.full((4,), 2.0, device=DEVICE))  # per row, not per request
 
 
 @needs_triton
@@ -600,7 +601,7 @@ def test_gpu_production_vocabulary(dtype):
 @pytest.mark.gpu
 def test_gpu_support_blocks_agree_at_the_production_vocabulary():
     """The two blocks the launch picks between (1024 x 4 warps with many rows, 4096 x 16 with few)
-    give the same path, count and S."""
+    give the same path, count, S and rows per path."""
     x = peaked_logits(4, 64, 262144, device="cpu", seed=17).cuda()
     x[3, :16] = torch.randn(16, 262144, device="cuda") * 0.5
     small, large = _block_runs(x, torch.tensor([0.6, 0.4, 0.8, 0.7], device="cuda"), (1024, 4096))
