@@ -7,7 +7,10 @@ and the reference paths measured in the same run:
 * ``materialized`` — the all-PyTorch fp32 step, eager (``bench/baselines.py``);
 * ``compiled`` — the same under ``torch.compile`` (GPU only; slow to build on a CPU);
 * ``floor`` (GPU) — one read of the logits at the measured copy bandwidth plus the cuBLAS
-  bf16 GEMM ``[rows, V] @ [V, H]``, the least any step can cost.
+  bf16 GEMM ``[rows, V] @ [V, H]``, the least any step can cost;
+* ``vllm033`` (with ``--vllm-kernels FILE``) — what a vLLM 0.33 user runs on the same logits:
+  vLLM's own row-statistics kernel (the module ``tools/fetch_vllm_kernels.sh`` makes) in vLLM's
+  device path around it (``bench/vllm_paths.py``), and our step's ratio to it.
 
 It reports median time, transient memory (peak allocated beyond inputs and persistent
 state) and agreement of our step with the PyTorch reference backend on the same inputs.
@@ -15,6 +18,8 @@ Shapes: DiffusionGemma's (CL 256, V 262144, H 2816) on a GPU, scaled down on a C
 
     python bench/bench_step.py                      # sized for the device found (GPU: real shape)
     python bench/bench_step.py --requests 1,4 --out /tmp/step.json
+    bash tools/fetch_vllm_kernels.sh          # -> .vllm_kernels/diffusion_gemma_sampler.py
+    python bench/bench_step.py --vllm-kernels .vllm_kernels/diffusion_gemma_sampler.py
 
 By default the result goes to the bench of record (``bench/record.py``):
 ``bench/results/step-<card>.json/.log/.png`` and a line of ``bench/results/history.jsonl``
@@ -35,6 +40,7 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import baselines  # noqa: E402
 import record  # noqa: E402
+import vllm_paths  # noqa: E402
 import workloads  # noqa: E402
 
 import dgemma_sampler as ds  # noqa: E402
@@ -108,6 +114,20 @@ def agreement(n, logits, canvas, vocab, hidden, embed, device, backend):
     }
 
 
+def measure_vllm033(logits, embed, normalizer, kernels, canvas, warmup, reps, cuda):
+    """vLLM 0.33's own step over ``logits`` (``vllm_paths.v033_step``, vLLM's kernel from
+    ``kernels``): time, transient memory and the requests per tile its budget gave."""
+    if cuda:
+        # vLLM sizes its tiles from the device's free memory: blocks the eager baseline left in
+        # PyTorch's cache would shrink them and make the figure depend on what ran before.
+        torch.cuda.empty_cache()
+    step = vllm_paths.v033_step(logits, embed, kernels, canvas=canvas, normalizer=normalizer)
+    # The first calls build the compiled pieces (torch.compile): one more warm-up than ours.
+    ms = device_timer(step, warmup + 1, reps, cuda)
+    return {"vllm033_ms": ms, "vllm033_transient_bytes": transient_bytes(step, cuda),
+            "vllm033_tile_requests": step.tiles}
+
+
 def measure_floor(rows, vocab, hidden, logits, embed, warmup, reps):
     """One read of the logits at copy bandwidth + cuBLAS bf16 GEMM of the step's shape."""
     src = torch.empty(256 * 1024**2 // 4, dtype=torch.float32, device="cuda").normal_()
@@ -137,10 +157,16 @@ def main(argv=None) -> int:
     p.add_argument("--no-check", action="store_true", help="skip the agreement check")
     p.add_argument("--hidden-requests", type=int, default=128 if cuda else 8,
                    help="also time the hidden-state input path at this many requests (0: skip)")
+    p.add_argument("--vllm-kernels", default=None, metavar="FILE",
+                   help="vLLM's diffusion_gemma_sampler.py as tools/fetch_vllm_kernels.sh makes it: also "
+                        "time vLLM 0.33's own device path on the same logits (GPU; on a CPU under "
+                        "TRITON_INTERPRET=1)")
     p.add_argument("--out", default=None,
                    help="JSON results elsewhere (default: the record, bench/results/step-<card>.json)")
     p.add_argument("--plot", default=None, help="PNG plot (default next to the JSON)")
     args = p.parse_args(argv)
+    if args.vllm_kernels and not cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        p.error("--vllm-kernels runs vLLM's Triton kernel: a GPU, or TRITON_INTERPRET=1 on a CPU")
     with record.Record("step" if args.workload == "broad" else f"step-{args.workload}", args.out) as rec:
         return run(args, rec)
 
@@ -156,6 +182,11 @@ def run(args, rec) -> int:
     use_compile = cuda and not args.no_compile
     gen = torch.Generator(device=device).manual_seed(0)
     embed = (torch.randn(args.vocab, args.hidden, device=device, generator=gen) * 0.02).to(torch.bfloat16)
+    vllm_kernels = None
+    if args.vllm_kernels:
+        vllm_kernels = vllm_paths.load_kernels(args.vllm_kernels)
+        rec.meta["vllm_kernels"] = {"file": args.vllm_kernels, "origin": vllm_kernels.origin,
+                                    "sha256": vllm_kernels.sha256}
 
     results = []
     bar = tqdm(requests, desc="decode step", unit="size", file=sys.stderr)
@@ -182,6 +213,10 @@ def run(args, rec) -> int:
             comp = lambda: baselines.compiled_step(logits, temps, embed, norm)  # noqa: E731
             row["compiled_ms"] = device_timer(comp, 2, max(3, args.reps // 2), cuda)
             row["compiled_transient_bytes"] = transient_bytes(comp, cuda)
+        if vllm_kernels is not None:
+            row.update(measure_vllm033(logits, embed, norm, vllm_kernels, args.canvas, warmup,
+                                       args.reps, cuda))
+            row["ours_over_vllm033"] = row["ours_ms"] / row["vllm033_ms"]
         if cuda:
             row.update(measure_floor(rows, args.vocab, args.hidden, logits, embed, 2, 10))
             row["ours_over_floor"] = row["ours_ms"] / row["floor_ms"]
@@ -230,8 +265,9 @@ def bench_hidden_input(args, embed, backend, device, cuda, warmup):
             "tile_requests": sampler.last_tile_requests, "full_logits_bytes": rows * args.vocab * 4}
 
 
-FIGURES = ("requests", "ours_ms", "materialized_ms", "compiled_ms", "floor_ms",
-           "ours_transient_bytes", "materialized_transient_bytes", "compiled_transient_bytes")
+FIGURES = ("requests", "ours_ms", "materialized_ms", "compiled_ms", "floor_ms", "vllm033_ms",
+           "ours_over_vllm033", "ours_transient_bytes", "materialized_transient_bytes",
+           "compiled_transient_bytes", "vllm033_transient_bytes", "vllm033_tile_requests")
 
 
 def print_table(results, meta, plot_path):
@@ -242,16 +278,31 @@ def print_table(results, meta, plot_path):
           f"H={meta['hidden']} logits={meta['logits_dtype']} | {meta['date']}")
     head = f"{'reqs':>5} {'ours ms':>9} {'mat. ms':>9} {'comp. ms':>9} {'floor ms':>9} {'x floor':>8} " \
            f"{'ours MiB':>9} {'mat. MiB':>9} {'argmax=':>8} {'sample=':>8} {'ent err':>8} {'soft err':>9}"
+    # vLLM's own path, where it was timed: its time, our step's ratio to it, its memory.
+    with_vllm = any("vllm033_ms" in r for r in results)
+    if with_vllm:
+        head += f" {'vLLM ms':>9} {'x vLLM':>7} {'vLLM MiB':>9}"
     print(head)
     for r in results:
         ag = r.get("agreement", {})
-        print(f"{r['requests']:>5} {r['ours_ms']:>9.2f} {r['materialized_ms']:>9.2f} "
-              f"{r.get('compiled_ms', float('nan')):>9.2f} {r.get('floor_ms', float('nan')):>9.2f} "
-              f"{r.get('ours_over_floor', float('nan')):>8.2f} {mib(r['ours_transient_bytes']):>9} "
-              f"{mib(r['materialized_transient_bytes']):>9} {ag.get('argmax_equal', float('nan')):>8.4f} "
-              f"{ag.get('sample_equal', float('nan')):>8.4f} "
-              f"{ag.get('entropy_max_rel_err', float('nan')):>8.1e} "
-              f"{ag.get('soft_embedding_rel_err', float('nan')):>9.1e}")
+        line = (f"{r['requests']:>5} {r['ours_ms']:>9.2f} {r['materialized_ms']:>9.2f} "
+                f"{r.get('compiled_ms', float('nan')):>9.2f} {r.get('floor_ms', float('nan')):>9.2f} "
+                f"{r.get('ours_over_floor', float('nan')):>8.2f} {mib(r['ours_transient_bytes']):>9} "
+                f"{mib(r['materialized_transient_bytes']):>9} {ag.get('argmax_equal', float('nan')):>8.4f} "
+                f"{ag.get('sample_equal', float('nan')):>8.4f} "
+                f"{ag.get('entropy_max_rel_err', float('nan')):>8.1e} "
+                f"{ag.get('soft_embedding_rel_err', float('nan')):>9.1e}")
+        if with_vllm:
+            line += (f" {r.get('vllm033_ms', float('nan')):>9.2f} "
+                     f"{r.get('ours_over_vllm033', float('nan')):>7.2f} "
+                     f"{mib(r.get('vllm033_transient_bytes')):>9}")
+        print(line)
+    if with_vllm:
+        tiles = ", ".join(f"{r['requests']}: {r['vllm033_tile_requests']}" for r in results
+                          if "vllm033_tile_requests" in r)
+        print(f"vLLM: 0.33's device path around vLLM's own row-statistics kernel (from "
+              f"{meta['vllm_kernels']['origin']}; the same file in 0.31-0.34); x vLLM = ours / vLLM; "
+              f"requests per tile by its budget: {tiles}")
     print(f"plot: {plot_path}")
 
 
@@ -264,14 +315,16 @@ def plot(results, path, meta):
     n = [r["requests"] for r in results]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for key, label in [("ours_ms", "dgemma-sampler"), ("materialized_ms", "PyTorch fp32 eager"),
-                       ("compiled_ms", "PyTorch fp32 compiled"), ("floor_ms", "floor (read + GEMM)")]:
+                       ("compiled_ms", "PyTorch fp32 compiled"), ("vllm033_ms", "vLLM 0.33's own path"),
+                       ("floor_ms", "floor (read + GEMM)")]:
         if key in results[0]:
             ax1.plot(n, [r[key] for r in results], marker="o", label=label)
     ax1.set(xlabel="decoding requests", ylabel="ms per step", title="decode step time")
     ax1.legend()
     for key, label in [("ours_transient_bytes", "dgemma-sampler"),
                        ("materialized_transient_bytes", "PyTorch fp32 eager"),
-                       ("compiled_transient_bytes", "PyTorch fp32 compiled")]:
+                       ("compiled_transient_bytes", "PyTorch fp32 compiled"),
+                       ("vllm033_transient_bytes", "vLLM 0.33's own path")]:
         vals = [r.get(key) for r in results]
         if all(v is not None for v in vals):
             ax2.plot(n, [v / 2**20 for v in vals], marker="o", label=label)
