@@ -5,7 +5,7 @@ replaced by a stand-in that names an H100/H200 (sm_90) and launches turned into 
 ``soft_embedding_wgmma.launch`` compiles exactly what it would run, and ptxas reports the
 registers, spills and shared memory of each specialization (fp32 / bf16 / fp16 logits, with
 and without a top-k/top-p threshold, rows in order or by a row order planned on the device
-or on the host). Use it to
+or on the host, and for logits in E's dtype the given operand of ``soft_embedding_operand``). Use it to
 check a kernel change before spending device time; speed still needs the GPU.
 
 The device runs Triton 3.6; to compile with that version here, put its wheel in a virtualenv
@@ -19,6 +19,10 @@ of its own and borrow torch and this package from the project's ``.venv``:
 a change compiles to the same code); ``--loops`` prints the SASS instruction count of each
 consumer warpgroup's K loop. With the project's own interpreter it compiles with the Triton
 installed there (``tests/`` runs it that way).
+
+``--head`` compiles the LM-head projection (``head_gemm.py``, bf16, TMA and pointer loads) and
+the pass that writes the soft-embedding operand over its logits (``soft_embedding_operand.py``),
+and reports their registers, spills and shared memory.
 
 ``--row-stats`` compiles the row-statistics kernel instead (fp32 / bf16 logits, the descriptor
 walk, unsplit and split into parts) and checks, in the split kernel's PTX, what its merge
@@ -115,6 +119,50 @@ def compile_row_stats(args, ptxas: str) -> bool:
     return ok
 
 
+def compile_head(ptxas: str) -> bool:
+    """Compile ``head_gemm.project`` at DiffusionGemma's shape (bf16, TMA and pointer loads) as
+    an H100/H200 would run it; report registers, spills and shared memory."""
+    import torch
+    from triton.runtime.jit import JITFunction
+
+    from dgemma_sampler.kernels import contract
+    from dgemma_sampler.kernels import head_gemm as hg
+
+    compiled = []
+    warm = JITFunction.run
+
+    def keep(self, *a, **kw):
+        compiled.append(warm(self, *a, **kw))
+        return compiled[-1]
+
+    JITFunction.run = keep
+    contract.sm_count = lambda device: 132
+    ok = True
+    m, v, h = 8192, 262144, 2816
+    for tma in (True, False):
+        hidden, weight = torch.empty(m, h, dtype=torch.bfloat16), torch.empty(v, h, dtype=torch.bfloat16)
+        hg.project(hidden, weight, hg.empty_logits(m, v, torch.bfloat16, hidden.device), tma=tma)
+        kernel = compiled[-1]
+        with tempfile.TemporaryDirectory() as tmp:
+            report, lines = assemble(ptxas, kernel.asm["ptx"], os.path.join(tmp, "k.cubin"))
+        print(f"{'head_tma' if tma else 'head_pointers':20s} shared {kernel.metadata.shared} B | "
+              + " | ".join(lines))
+        ok &= report.returncode == 0
+    # the pass that writes the soft-embedding operand over those logits (softcap, a row order)
+    from dgemma_sampler.kernels.soft_embedding_operand import operand_in_place
+
+    logits = torch.empty(m, 4096, dtype=torch.bfloat16)
+    rows = torch.zeros(m, dtype=torch.int32)
+    operand_in_place(logits, rows, torch.ones(1), torch.zeros(m), row_order=torch.arange(m),
+                     kept_count=torch.full((1,), m, dtype=torch.int32), threshold=None,
+                     allowed=None, vocab_start=0, v_local=4096, softcap=30.0)
+    kernel = compiled[-1]
+    with tempfile.TemporaryDirectory() as tmp:
+        report, lines = assemble(ptxas, kernel.asm["ptx"], os.path.join(tmp, "k.cubin"))
+    print(f"{'operand_in_place':20s} shared {kernel.metadata.shared} B | " + " | ".join(lines))
+    return ok and report.returncode == 0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--site", help="a site-packages that provides torch and dgemma_sampler, "
@@ -124,6 +172,7 @@ def main() -> None:
                     "of each innermost loop that issues a wgmma (the consumer warpgroups' K loops: "
                     "instructions per warp and K step)")
     ap.add_argument("--dtypes", default="float32,bfloat16,float16", help="logits dtypes to compile")
+    ap.add_argument("--head", action="store_true", help="compile the LM-head projection instead")
     ap.add_argument("--row-stats", action="store_true", help="compile the row-statistics kernel "
                     "(unsplit and split walk) instead of the GEMM")
     args = ap.parse_args()
@@ -163,6 +212,8 @@ def main() -> None:
     print(f"triton {triton.__version__}, {ptxas}")
     if args.row_stats:
         sys.exit(0 if compile_row_stats(args, ptxas) else 1)
+    if args.head:
+        sys.exit(0 if compile_head(ptxas) else 1)
 
     from dgemma_sampler.kernels import soft_embedding as se
     from dgemma_sampler.kernels import soft_embedding_wgmma as wg
@@ -180,17 +231,20 @@ def main() -> None:
         order, count = torch.arange(n), torch.full((1,), n, dtype=torch.int32)
         by_count = se.plans_by_count(n, h, v, cfg, 132, torch.device("cpu"))
         # (and once planned on the host, as with ``num_kept``)
-        for threshold, gather, on_device in ((None, False, False), (lse, False, False),
-                                             (None, True, True), (None, True, False)):
+        variants = [(None, False, False, False), (lse, False, False, False),
+                    (None, True, True, False), (None, True, False, False)]
+        if dtype == embed.dtype:  # the operand written over the logits (soft_embedding_operand)
+            variants.append((None, True, True, True))
+        for threshold, gather, on_device, given in variants:
             kernel = wg.launch(logits, row_request, inv_t, lse, embed, None, 1.0, out,
                                row_order=order if gather else None,
                                kept_count=count if gather else None, threshold=threshold,
                                out_index=None, vocab_start=0,
                                plan=by_count if on_device else plan, scratch=inv_t,
-                               placeholder=inv_t)
+                               placeholder=inv_t, p_given=given)
             name = (str(dtype).replace('torch.', '') + ("_threshold" if threshold is not None else "")
                     + ("_row_order" if gather else "") + ("_host_plan" if gather and not on_device
-                                                          else ""))
+                                                          else "") + ("_p_given" if given else ""))
             with tempfile.TemporaryDirectory() as tmp:
                 cubin = os.path.join(tmp, "k.cubin")
                 report, lines = assemble(ptxas, kernel.asm["ptx"], cubin)

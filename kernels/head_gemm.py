@@ -1,0 +1,214 @@
+"""LM-head projection: ``logits = hidden @ W^T`` in the model dtype, a row's bits independent of its batch.
+
+Math
+----
+For hidden states ``h`` ``[M, H]`` and the head ``W`` ``[V, H]`` (DiffusionGemma ties it to the
+token embedding; under tensor parallelism a rank's vocabulary slice of it), both bf16 or fp16::
+
+    logits[m, v] = round(sum_k h[m, k] * W[v, k])
+
+with an fp32 sum over ``k`` in blocks of ``BLOCK_K``, in increasing order, rounded once to the model
+dtype (nearest even): the tensor vLLM's ``lm_head`` produces before ``compute_logits`` upcasts it,
+up to the order of the fp32 sum. Softcap, temperature and masks are not applied here: the kernels
+that read these logits apply them in registers (``logit_row.softcapped``).
+
+Batch invariance
+----------------
+A request's logits must not depend on the batch it came in (the dispatcher tiles requests by a
+memory budget, and the keyed noise makes every other part of a step batch-independent). A library
+GEMM picks its kernel, tile and split of K by the problem size, so the same row can round
+differently in another batch. Here the configuration is fixed (``CONFIG``, never chosen by M),
+every output tile is computed by one program over the whole K range in the same order, and there
+is no split-K: an element's value is a function of its row of ``h`` and its row of ``W`` alone.
+
+Cost model (H100, M = 256 x requests, V = 2^18, H = 2816)
+--------------------------------------------------------
+* FLOPs ``2 M V H``: 12.1 TFLOP at 32 requests, ~16.7 ms at cuBLAS's rate: bound by the tensor
+  cores from a few requests up. At one request (0.38 TFLOP) reading ``W`` (1.48 GB, 0.44 ms)
+  costs about as much as the MMAs (~0.5 ms).
+* Bytes: ``W`` once per group of ``GROUP_M`` M-tiles (tiles are walked in groups of ``GROUP_M``
+  M-tiles x every N-tile, M fastest, so the programs sharing a ``W`` tile run together and the
+  group's rows of ``h`` stay in L2); the output once, ``M V`` x 2 bytes (4.3 GB at 32 requests,
+  ~1.3 ms of HBM time under ~16 ms of MMA).
+* Persistent programs, one per SM, walk the tiles; on Hopper both operands come by TMA
+  (``USE_TMA``), the output leaves by TMA, and the loop over tiles is flattened into the K loop so
+  that the next tile's loads overlap this tile's epilogue.
+
+Shapes TMA cannot address (a row stride that is not a multiple of 16 bytes, the interpreter with
+pointers on purpose, GPUs before Hopper) take pointer loads with masks: the same tiles, the same
+order, the same bits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from . import contract
+from .logit_row import interpreting
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    """Output tile ``block_m x block_n``, K step ``block_k``, tiles per group along M, launch shape.
+
+    Part of what a request's logits are (it fixes the order of the fp32 sums): one constant, never
+    chosen by the batch."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+
+CONFIG = HeadConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3)
+# The interpreter runs the same code on small tiles (a CPU multiplies every tile in Python).
+INTERPRETER_CONFIG = HeadConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=4,
+                                num_stages=1)
+HEAD_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@triton.jit
+def _tile_coords(tile, n_tiles_m, n_tiles_n, GROUP_M: tl.constexpr):
+    """Tile index -> (M-tile, N-tile): groups of ``GROUP_M`` M-tiles x every N-tile, M fastest
+    (the last group holds what is left of the M-tiles)."""
+    group_tiles = GROUP_M * n_tiles_n
+    first_m = (tile // group_tiles) * GROUP_M
+    group_m = tl.minimum(n_tiles_m - first_m, GROUP_M)
+    within = tile % group_tiles
+    return first_m + within % group_m, within // group_m
+
+
+@triton.jit
+def _rounded(acc, dtype: tl.constexpr, INTERPRET: tl.constexpr):
+    """``acc`` rounded to ``dtype`` to nearest even. The interpreter's own cast truncates: there the
+    rounding is done on the fp32 bits first (then the cast is exact)."""
+    if INTERPRET:
+        bits = acc.to(tl.uint32, bitcast=True)
+        if dtype == tl.bfloat16:
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            acc = bits.to(tl.float32, bitcast=True)
+    return acc.to(dtype)
+
+
+@triton.jit
+def head_gemm_kernel(
+    h_desc, w_desc, out_desc,                 # TMA descriptors (USE_TMA), else placeholders
+    h_ptr, w_ptr, out_ptr,                    # the same tensors by pointer (not USE_TMA)
+    M, V, H,
+    stride_h, stride_w, stride_out,           # row strides in elements (rows are contiguous)
+    NUM_PROGRAMS,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    USE_TMA: tl.constexpr, FLATTEN: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    n_tiles_m = tl.cdiv(M, BLOCK_M)
+    n_tiles_n = tl.cdiv(V, BLOCK_N)
+    k_blocks = tl.cdiv(H, BLOCK_K)
+    for tile in tl.range(tl.program_id(0), n_tiles_m * n_tiles_n, NUM_PROGRAMS, flatten=FLATTEN):
+        m_tile, n_tile = _tile_coords(tile, n_tiles_m, n_tiles_n, GROUP_M)
+        row0 = m_tile * BLOCK_M
+        col0 = n_tile * BLOCK_N
+        rows = row0 + tl.arange(0, BLOCK_M)
+        cols = col0 + tl.arange(0, BLOCK_N)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        # the whole K range, in order, in this program: the bits of an element depend on its
+        # row of h and its row of W only
+        for kb in range(k_blocks):
+            k0 = kb * BLOCK_K
+            if USE_TMA:
+                a = h_desc.load([row0, k0])
+                b = w_desc.load([col0, k0])
+            else:
+                ks = k0 + tl.arange(0, BLOCK_K)
+                a = tl.load(h_ptr + rows.to(tl.int64)[:, None] * stride_h + ks[None, :],
+                            mask=(rows < M)[:, None] & (ks < H)[None, :], other=0.0)
+                b = tl.load(w_ptr + cols.to(tl.int64)[:, None] * stride_w + ks[None, :],
+                            mask=(cols < V)[:, None] & (ks < H)[None, :], other=0.0)
+            if INTERPRET:  # the interpreter's 16-bit tl.dot is wrong; 16-bit values are exact in fp32
+                acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, tl.trans(b), acc)
+        if USE_TMA:
+            out_desc.store([row0, col0], _rounded(acc, out_desc.dtype, INTERPRET))
+        else:
+            out = _rounded(acc, out_ptr.dtype.element_ty, INTERPRET)
+            tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :], out,
+                     mask=(rows < M)[:, None] & (cols < V)[None, :])
+
+
+def padded_columns(vocab: int, itemsize: int) -> int:
+    """Row length of an output buffer of ``vocab`` logits: a multiple of 16 bytes, so that its rows
+    stay TMA-addressable (here and in the kernels that read them)."""
+    per_16 = 16 // itemsize
+    return -(-vocab // per_16) * per_16
+
+
+def empty_logits(rows: int, vocab: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised ``[rows, vocab]`` logits buffer whose rows start on 16-byte boundaries (a
+    view of a ``[rows, padded_columns]`` allocation; separate so that tests can poison it)."""
+    cols = padded_columns(vocab, torch.empty((), dtype=dtype).element_size())
+    return torch.empty(rows, cols, dtype=dtype, device=device)[:, :vocab]
+
+
+def _tma_ok(*tensors: torch.Tensor) -> bool:
+    return all(t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0
+               and t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def uses_tma(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether a launch loads and stores by TMA: on Hopper or later (and in the interpreter, which
+    emulates it) when every row is 16-byte aligned."""
+    if hidden.device.type == "cuda" and contract.cuda_capability(hidden.device)[0] < 9:
+        return False
+    return _tma_ok(hidden, weight, out)
+
+
+def project(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None, *,
+            config: HeadConfig | None = None, tma: bool | None = None) -> torch.Tensor:
+    """``hidden [M, H] @ weight[V, H]^T`` as ``[M, V]`` in their dtype (bf16 or fp16), batch-invariant.
+
+    ``out``: a ``[M, V]`` buffer of that dtype with contiguous rows (default: ``empty_logits``,
+    rows padded to 16 bytes). ``config`` overrides the tile (tests; any config is batch-invariant,
+    but two configs round differently). ``tma`` False forces pointer loads (tests); None: TMA
+    where ``uses_tma``. Inputs are validated by the caller and only asserted here.
+    """
+    assert hidden.dim() == 2 and weight.dim() == 2, (hidden.shape, weight.shape)
+    assert hidden.dtype == weight.dtype and hidden.dtype in HEAD_DTYPES, (hidden.dtype, weight.dtype)
+    assert hidden.shape[1] == weight.shape[1], (hidden.shape, weight.shape)
+    assert hidden.device == weight.device, (hidden.device, weight.device)
+    assert hidden.stride(1) == 1 and weight.stride(1) == 1, "rows must be contiguous"
+    m, h = hidden.shape
+    v = weight.shape[0]
+    if out is None:
+        out = empty_logits(m, v, hidden.dtype, hidden.device)
+    assert out.shape == (m, v) and out.dtype == hidden.dtype and out.device == hidden.device, \
+        (out.shape, out.dtype, out.device)
+    assert out.stride(1) == 1, "out rows must be contiguous"
+    if m == 0 or v == 0:
+        return out
+    interpret = interpreting()
+    cfg = config or (INTERPRETER_CONFIG if interpret else CONFIG)
+    use_tma = uses_tma(hidden, weight, out) if tma is None else tma
+    assert not use_tma or _tma_ok(hidden, weight, out), "TMA needs 16-byte aligned rows"
+    n_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(v, cfg.block_n)
+    programs = min(n_tiles, 4 if interpret else contract.sm_count(hidden.device))
+    descs = (None, None, None)
+    if use_tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        descs = (TensorDescriptor(hidden, [m, h], [hidden.stride(0), 1], [cfg.block_m, cfg.block_k]),
+                 TensorDescriptor(weight, [v, h], [weight.stride(0), 1], [cfg.block_n, cfg.block_k]),
+                 TensorDescriptor(out, [m, v], [out.stride(0), 1], [cfg.block_m, cfg.block_n]))
+    head_gemm_kernel[(programs,)](
+        *descs, hidden, weight, out, m, v, h,
+        hidden.stride(0), weight.stride(0), out.stride(0), programs,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        USE_TMA=use_tma, FLATTEN=use_tma and not interpret, INTERPRET=interpret,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
