@@ -281,6 +281,7 @@ def soft_embedding_rows(
     out_index: torch.Tensor | None = None,
     chunk_rows: int = 64,
     inv_t: torch.Tensor | None = None,
+    logits_scratch: bool = False,
 ) -> torch.Tensor:
     """Reference ``normalizer * softmax(z)[:, vocab_start:+V_local] @ E`` over flat rows.
 
@@ -291,7 +292,9 @@ def soft_embedding_rows(
     ``out`` is ``[M, H]`` fp32 (a view of a slot-indexed buffer is fine); with
     ``out_index`` ([N] int64) row n is written to ``out[out_index[n]]``, else to ``out[n]``.
     ``inv_t``: ``inverse_temperature(temperature)`` where the caller has it already (a step
-    computes it once for its three soft-embedding calls). Returns ``out``.
+    computes it once for its three soft-embedding calls). ``logits_scratch`` (the caller lets
+    the kernels overwrite the rows they multiply) changes nothing here: the oracle only reads.
+    Returns ``out``.
     """
     n_rows = logits.shape[0]
     v_local, hidden = embed_weight.shape

@@ -404,13 +404,14 @@ def soft_embedding_tail(
     logits, row_request, temperature, lse, embed_weight, normalizer, *,
     tail_eps: float, keep=None, threshold=None, allowed=None, vocab_start: int = 0,
     softcap=None, out=None, out_index=None, argmax=None, entropy=None,
-    max_support: int = MAX_SUPPORT, inv_t=None,
+    max_support: int = MAX_SUPPORT, inv_t=None, logits_scratch: bool = False,
 ) -> tuple[torch.Tensor, Support]:
     """Soft embedding with a tail tolerance, from a backend's three functions: the support
     decision, the dense soft embedding (``soft_embedding_rows``) of the dense rows, then the
     gather of the sparse rows (after the dense pass, which zeroes the rows it does not keep).
     ``inv_t`` (``reference.inverse_temperature(temperature)``, optional) is computed once for
-    the three. Returns (out, support).
+    the three. ``logits_scratch``: the dense pass may overwrite the rows it multiplies (the
+    gather reads only the sparse ones). Returns (out, support).
     """
     if inv_t is None:
         inv_t = reference.inverse_temperature(temperature)
@@ -430,7 +431,8 @@ def soft_embedding_tail(
     dense_keep = support.dense()
     out = dense_fn(logits, row_request, temperature, lse, embed_weight, normalizer,
                    keep=dense_keep, threshold=threshold, allowed=allowed, vocab_start=vocab_start,
-                   softcap=softcap, out=out, out_index=out_index, inv_t=inv_t)
+                   softcap=softcap, out=out, out_index=out_index, inv_t=inv_t,
+                   logits_scratch=logits_scratch)
     gather_fn(logits, row_request, temperature, lse, embed_weight, normalizer,
               support.path, support.count, support.ids,
               vocab_start=vocab_start, softcap=softcap, out=out, out_index=out_index, inv_t=inv_t)

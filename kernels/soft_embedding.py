@@ -60,8 +60,11 @@ row then gives exactly ``E[argmax]``).
 
 On Hopper the common case (no ``allowed`` mask, no softcap, TMA-addressable logits, a 16-bit E)
 runs ``soft_embedding_wgmma.py`` instead: the same math and schedule in Gluon, which keeps the
-prologue off the layout round trip that Triton inserts here (see that file). This kernel is the
-one for everything else, and the only one the interpreter can run.
+prologue off the layout round trip that Triton inserts here (see that file). Where the caller
+owns 16-bit logits (``logits_scratch``: the hidden-state path), the operand is written over them
+first (``soft_embedding_operand.py``, masks and softcap included) and the Gluon kernel multiplies
+it with no prologue at all. This kernel is the one for everything else, and the only one the
+interpreter can run.
 
 Rows with ``keep`` False: the kept rows are compacted to the front of a row order on the device
 (``kept_rows.kept_first``: a stable partition in one program, no host sync) and their count
@@ -640,9 +643,12 @@ _WGMMA = False  # not looked up yet
 
 
 def _launch_wgmma(module, logits, row_request, inv_t, lse, embed_weight, norm_tensor, norm_value,
-                  out, keep, threshold, out_index, vocab_start, sms, planned_rows):
+                  out, keep, threshold, out_index, vocab_start, sms, planned_rows, *,
+                  operand: dict | None = None):
     """The Gluon kernel on the same schedule as the Triton one (whole tiles in waves, a split-K
-    tail), the same compaction of kept rows and the same split-K merge."""
+    tail), the same compaction of kept rows and the same split-K merge. ``operand``: the
+    arguments of ``soft_embedding_operand.operand_in_place`` besides the rows (its masks and
+    softcap): the operand is first written over the kept rows, then multiplied as it is."""
     n_rows = logits.shape[0]
     v_local, hidden = embed_weight.shape
     cfg = TileConfig(module.BLOCK_M, module.BLOCK_N, module.BLOCK_K, module.NUM_WARPS,
@@ -653,10 +659,17 @@ def _launch_wgmma(module, logits, row_request, inv_t, lse, embed_weight, norm_te
     scratch = (torch.empty(plan.scratch_elems, dtype=torch.float32, device=logits.device)
                if plan.scratch_elems else placeholder)
     row_order, kept_count = _kept_first(keep)
+    if operand is not None:
+        from .soft_embedding_operand import operand_in_place
+
+        operand_in_place(logits, row_request, inv_t, lse, row_order=row_order,
+                         kept_count=kept_count, threshold=threshold, vocab_start=vocab_start,
+                         v_local=v_local, **operand)
+        threshold = None  # applied
     module.launch(logits, row_request, inv_t, lse, embed_weight, norm_tensor, norm_value, out,
                   row_order=row_order, kept_count=kept_count, threshold=threshold,
                   out_index=out_index, vocab_start=vocab_start, plan=plan, scratch=scratch,
-                  placeholder=placeholder)
+                  placeholder=placeholder, p_given=operand is not None)
     _merge_split(plan, cfg, out, out_index, scratch, row_order, kept_count, norm_tensor,
                  norm_value, n_rows, hidden, placeholder)
 
@@ -766,6 +779,7 @@ def soft_embedding_rows(
     wgmma: bool | None = None,
     tune: bool = True,
     inv_t: torch.Tensor | None = None,
+    logits_scratch: bool = False,
 ) -> torch.Tensor:
     """Triton twin of ``reference.soft_embedding_rows`` (same arguments, same result; inputs are
     validated by the caller, ``dgemma_sampler.ops``, and only asserted here). The kernel tiles
@@ -787,6 +801,10 @@ def soft_embedding_rows(
     spills (``_pick_config``). ``dgemma_sampler.ops`` sets both from the environment (``envs``).
     ``inv_t``: ``contract.inverse_temperature(temperature)`` where the caller has it (a step
     computes it once for its soft-embedding kernels).
+    ``logits_scratch``: the caller owns ``logits`` and reads no kept row's columns
+    ``[vocab_start, vocab_start + V_local)`` afterwards. On Hopper, with logits in E's dtype,
+    the operand is then written over them (``soft_embedding_operand``) and the Gluon kernel
+    multiplies it without a prologue, masks and softcap included: the same result, faster.
     """
     _check_inputs(logits, row_request, temperature, lse, embed_weight, keep, threshold, allowed,
                   vocab_start, out, out_index, num_kept)
@@ -808,7 +826,11 @@ def soft_embedding_rows(
     norm_value = 1.0 if norm_is_tensor else float(normalizer)
     sms = num_sms if num_sms is not None else _num_sms(dev)
     module = _wgmma_module() if wgmma or (wgmma is None and dev.type == "cuda") else None
-    fits = module is not None and module.supported(logits, embed_weight, vocab_start, allowed, softcap)
+    # A given operand where the caller allows it (it takes the masks and the softcap too).
+    given = logits_scratch and module is not None and module.supported(
+        logits, embed_weight, vocab_start, allowed, softcap, p_given=True)
+    fits = given or (module is not None
+                     and module.supported(logits, embed_weight, vocab_start, allowed, softcap))
     if wgmma is None:
         wgmma = fits and config is None
     elif wgmma and not fits:
@@ -817,7 +839,8 @@ def soft_embedding_rows(
     planned_rows = None if keep is None else num_kept  # None: every row, or the device's count
     if wgmma:
         _launch_wgmma(module, logits, row_request, inv_t, lse, embed_weight, norm_tensor, norm_value,
-                      out, keep, threshold, out_index, vocab_start, sms, planned_rows)
+                      out, keep, threshold, out_index, vocab_start, sms, planned_rows,
+                      operand=dict(allowed=allowed, softcap=softcap) if given else None)
         return out
 
     row_order, kept_count = _kept_first(keep)

@@ -48,8 +48,14 @@ kept, or whole requests dropped) still loads by TMA, the others' logits rows com
 thread's copies arrive on the stage's barrier), E still by TMA. Rows not kept are written as
 zeros.
 
+Given operand (``P_GIVEN``). Where the step owns its logits, ``soft_embedding_operand`` writes
+``p`` (E's dtype, masks and softcap applied) over the rows this kernel multiplies; the consumers
+then load the tile straight into the wgmma's register operand, with no prologue: a plain GEMM,
+bit-identical to the fused one.
+
 Scope (``supported``): Hopper, logits fp32/bf16/fp16 whose local slice TMA can address
-(16-byte aligned rows), E bf16/fp16, no ``allowed`` mask, no softcap. Rows past the end and the
+(16-byte aligned rows), E bf16/fp16, no ``allowed`` mask, no softcap (a given operand: any
+mask and softcap, logits in E's dtype). Rows past the end and the
 ragged last K block read as zeros (TMA's bounds, the copies' masks; their ``p`` is 0, and E's
 padding rows are 0). The schedule (whole tiles in waves, a split-K tail) and the split-K merge
 are ``soft_embedding.plan_split`` and ``soft_embedding.split_sum_kernel``. Gluon has no
@@ -328,9 +334,20 @@ def _k_loop_shared_p(WG: gl.constexpr, WM: gl.constexpr, e_dtype: gl.constexpr, 
 
 
 @gluon.jit
+def _register_operand(buf, a_layout: gl.constexpr, inv_t, neg_lse2, threshold,
+                      HAS_THRESHOLD: gl.constexpr, e_dtype: gl.constexpr, P_GIVEN: gl.constexpr):
+    """The wgmma's register operand from a 16-bit tile: ``p`` made from logits, or with ``P_GIVEN``
+    the tile itself (``soft_embedding_operand`` wrote ``p`` over the logits)."""
+    if P_GIVEN:
+        return buf.load(a_layout)
+    x = _load_operand(buf, a_layout)
+    return _probabilities(x, inv_t, neg_lse2, threshold, HAS_THRESHOLD, e_dtype)
+
+
+@gluon.jit
 def _k_loop_register_p(WG: gl.constexpr, WM: gl.constexpr, e_dtype: gl.constexpr, smem, n_k,
                        acc, inv_t, neg_lse2, threshold, a_layout: gl.constexpr,
-                       HAS_THRESHOLD: gl.constexpr):
+                       HAS_THRESHOLD: gl.constexpr, P_GIVEN: gl.constexpr):
     """``acc += p @ E`` over the K steps, ``p`` the wgmma's register operand: the logits tile is
     read straight in the A-operand layout (``ldmatrix`` for 16-bit logits), the next ``p`` is
     made while the wgmma runs, and the wgmma is waited for before its operand registers are
@@ -338,16 +355,16 @@ def _k_loop_register_p(WG: gl.constexpr, WM: gl.constexpr, e_dtype: gl.constexpr
     x_bufs, e_bufs, p_bufs, ready, empty = smem
     STAGES: gl.constexpr = x_bufs.type.shape[0]
     mbarrier.wait(ready.index(0), 0, pred=0 < n_k)
-    x = _load_operand(x_bufs.index(0).slice(WG * WM, WM), a_layout)
-    p = _probabilities(x, inv_t, neg_lse2, threshold, HAS_THRESHOLD, e_dtype)
+    p = _register_operand(x_bufs.index(0).slice(WG * WM, WM), a_layout, inv_t, neg_lse2,
+                          threshold, HAS_THRESHOLD, e_dtype, P_GIVEN)
     for i in range(0, n_k):
         stage = i % STAGES
         acc = warpgroup_mma(p, e_bufs.index(stage), acc, is_async=True)
         # The next step's p while this wgmma runs (after the last step a stale tile, unused).
         nxt = i + 1
         mbarrier.wait(ready.index(nxt % STAGES), (nxt // STAGES) & 1, pred=nxt < n_k)
-        x = _load_operand(x_bufs.index(nxt % STAGES).slice(WG * WM, WM), a_layout)
-        p = _probabilities(x, inv_t, neg_lse2, threshold, HAS_THRESHOLD, e_dtype)
+        p = _register_operand(x_bufs.index(nxt % STAGES).slice(WG * WM, WM), a_layout, inv_t,
+                              neg_lse2, threshold, HAS_THRESHOLD, e_dtype, P_GIVEN)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         _cta_barrier()  # every warp's wgmma of this step is done: release its stage
         mbarrier.arrive(empty.index(stage))
@@ -358,7 +375,7 @@ def _k_loop_register_p(WG: gl.constexpr, WM: gl.constexpr, e_dtype: gl.constexpr
 def _consumer(WG: gl.constexpr, descs, smem, tile, row_args, out_args,
               HAS_THRESHOLD: gl.constexpr, HAS_ROW_ORDER: gl.constexpr, HAS_OUT_INDEX: gl.constexpr,
               NORM_IS_TENSOR: gl.constexpr, SCRATCH_N: gl.constexpr, VEC: gl.constexpr,
-              P_IN_REGISTERS: gl.constexpr):
+              P_IN_REGISTERS: gl.constexpr, P_GIVEN: gl.constexpr):
     """Consumer warpgroup ``WG`` (4 warps): rows ``[64 WG, 64 WG + 64)`` of the tile, its K
     loop, then its part of the epilogue."""
     x_desc, e_desc = descs
@@ -387,7 +404,7 @@ def _consumer(WG: gl.constexpr, descs, smem, tile, row_args, out_args,
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     if P_IN_REGISTERS:
         acc = _k_loop_register_p(WG, WM, e_desc.dtype, smem, n_k, acc, inv_t, neg_lse2,
-                                 threshold, x_layout, HAS_THRESHOLD)
+                                 threshold, x_layout, HAS_THRESHOLD, P_GIVEN)
     else:
         acc = _k_loop_shared_p(WG, WM, e_desc.dtype, smem, n_k, acc, inv_t, neg_lse2, threshold,
                                x_layout, HAS_THRESHOLD)
@@ -435,7 +452,8 @@ def soft_embedding_wgmma_kernel(
     n_tiles_n, dp_head, tail_tiles, split,        # schedule: soft_embedding.plan_split
     HAS_THRESHOLD: gl.constexpr, HAS_ROW_ORDER: gl.constexpr, HAS_OUT_INDEX: gl.constexpr,
     NORM_IS_TENSOR: gl.constexpr, STAGES: gl.constexpr, SCRATCH_N: gl.constexpr,
-    VEC: gl.constexpr, P_SWIZZLE: gl.constexpr, P_IN_REGISTERS: gl.constexpr, GROUP: gl.constexpr,
+    VEC: gl.constexpr, P_SWIZZLE: gl.constexpr, P_IN_REGISTERS: gl.constexpr, P_GIVEN: gl.constexpr,
+    GROUP: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, GATHER_WARPS: gl.constexpr,
     PLAN_BY_COUNT: gl.constexpr,
 ):
@@ -475,17 +493,17 @@ def soft_embedding_wgmma_kernel(
         gather = (x_ptr, stride_x, v_local, n_rows, row_order_ptr, kept_count_ptr)
         gl.warp_specialize([
             (_consumer, (0, descs, smem, tile, row_args, out_args, HAS_THRESHOLD, True,  # own warps
-                         HAS_OUT_INDEX, NORM_IS_TENSOR, SCRATCH_N, VEC, P_IN_REGISTERS)),
+                         HAS_OUT_INDEX, NORM_IS_TENSOR, SCRATCH_N, VEC, P_IN_REGISTERS, P_GIVEN)),
             (_consumer, (1, descs, smem, tile, row_args, out_args, HAS_THRESHOLD, True,
-                         HAS_OUT_INDEX, NORM_IS_TENSOR, SCRATCH_N, VEC, P_IN_REGISTERS)),
+                         HAS_OUT_INDEX, NORM_IS_TENSOR, SCRATCH_N, VEC, P_IN_REGISTERS, P_GIVEN)),
             (_gather_loader, (descs, smem, tile, gather, VEC)),
         ], [4, GATHER_WARPS], [CONSUMER_REGS, LOADER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (0, descs, smem, tile, row_args, out_args, HAS_THRESHOLD, False,
-                         HAS_OUT_INDEX, NORM_IS_TENSOR, SCRATCH_N, VEC, P_IN_REGISTERS)),
+                         HAS_OUT_INDEX, NORM_IS_TENSOR, SCRATCH_N, VEC, P_IN_REGISTERS, P_GIVEN)),
             (_consumer, (1, descs, smem, tile, row_args, out_args, HAS_THRESHOLD, False,
-                         HAS_OUT_INDEX, NORM_IS_TENSOR, SCRATCH_N, VEC, P_IN_REGISTERS)),
+                         HAS_OUT_INDEX, NORM_IS_TENSOR, SCRATCH_N, VEC, P_IN_REGISTERS, P_GIVEN)),
             (_loader, (descs, smem, tile)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
     for s in gl.static_range(STAGES):
@@ -506,11 +524,17 @@ def local_columns(logits: torch.Tensor, vocab_start: int, v_local: int) -> torch
     return logits[:, vocab_start:vocab_start + v_local]
 
 
-def supported(logits: torch.Tensor, embed_weight: torch.Tensor, vocab_start: int, allowed, softcap) -> bool:
-    """Whether this kernel can run the call (else the Triton kernel does)."""
+def supported(logits: torch.Tensor, embed_weight: torch.Tensor, vocab_start: int, allowed, softcap,
+              p_given: bool = False) -> bool:
+    """Whether this kernel can run the call (else the Triton kernel does). ``p_given``: the
+    operand was written over the logits (``soft_embedding_operand``, which applied the softcap
+    and the masks): the logits then hold E's dtype."""
     if logits.device.type != "cuda" or cuda_capability(logits.device)[0] != 9:
         return False
-    if allowed is not None or softcap is not None:
+    if p_given:
+        if logits.dtype != embed_weight.dtype:
+            return False
+    elif allowed is not None or softcap is not None:
         return False
     if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False
@@ -562,14 +586,18 @@ def tile_descriptors(logits, embed_weight, vocab_start: int, x_box: tuple, e_box
 
 
 def launch(logits, row_request, inv_t, lse, embed_weight, norm_tensor, norm_value, out, *,
-           row_order, kept_count, threshold, out_index, vocab_start, plan, scratch, placeholder):
+           row_order, kept_count, threshold, out_index, vocab_start, plan, scratch, placeholder,
+           p_given: bool = False):
     """Launch for one call of ``soft_embedding.soft_embedding_rows`` (inputs checked there) on
     ``plan`` (``soft_embedding.plan_split``, or ``plans_by_count`` where the kept count stays on
     the device); ``row_order`` (int64, the kept rows first and in increasing order, as
     ``soft_embedding._kept_first`` makes it: the loader's test for consecutive rows relies on
     it) with ``kept_count`` ([1] int32 on the device), or both None for every row in order;
-    ``placeholder`` stands in for absent tensors."""
+    ``placeholder`` stands in for absent tensors. ``p_given``: the kept rows of ``logits`` hold
+    the operand already (``soft_embedding_operand``): no prologue, no threshold."""
     assert (row_order is None) == (kept_count is None), "row_order and kept_count go together"
+    assert not p_given or (logits.dtype == embed_weight.dtype and threshold is None), \
+        "a given operand has E's dtype and its masks applied"
     descs = tile_descriptors(logits, embed_weight, vocab_start, (BLOCK_M, BLOCK_K), (BLOCK_K, BLOCK_N))
     v_local = embed_weight.shape[0]
     return soft_embedding_wgmma_kernel[(plan.programs,)](
@@ -587,7 +615,7 @@ def launch(logits, row_request, inv_t, lse, embed_weight, norm_tensor, norm_valu
         HAS_OUT_INDEX=out_index is not None, NORM_IS_TENSOR=norm_tensor is not None,
         STAGES=stages_for(logits.dtype, embed_weight.dtype), SCRATCH_N=BLOCK_N,
         VEC=16 // logits.element_size(), P_SWIZZLE=_p_swizzle(logits.element_size()),
-        P_IN_REGISTERS=p_in_registers(logits.dtype), GROUP=GROUP_M,
+        P_IN_REGISTERS=p_in_registers(logits.dtype), P_GIVEN=p_given, GROUP=GROUP_M,
         CONSUMER_REGS=GATHER_CONSUMER_REGS if row_order is not None else CONSUMER_REGS,
         LOADER_REGS=GATHER_LOADER_REGS if row_order is not None else LOADER_REGS,
         GATHER_WARPS=GATHER_WARPS, PLAN_BY_COUNT=plan.table is not None, num_warps=4,
