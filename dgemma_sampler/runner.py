@@ -8,13 +8,15 @@ hidden states with a projection; the runner does everything that touches the dev
 
 * tiling: all requests in one tile for logits input (the kernels hold O(1) bytes per row);
   for hidden-state input, requests per tile from a memory budget re-read every step, so that
-  only one tile's projected logits exist at a time;
+  only one tile's projected logits exist at a time (``head.Projection``: our LM head in the
+  model dtype, or a caller's projection);
 * tile plans: the device index tensors, row layout, top-k/top-p gates and allowed masks of a
   tile, kept while the batch keeps its shape and no request changed (``PLAN_CACHE_SIZE``);
 * the step itself (``step.decode_step``) with the schedule's temperature table, the backend's
-  kernels (the oracle for a constrained read's K columns, a vocabulary-sharded statistics
-  pass under tensor parallelism when the front end provides one), and the logits-free parts
-  replayed from CUDA graphs (``update_graph.py``);
+  kernels (the oracle for a constrained read's K columns; under tensor parallelism statistics
+  from this rank's vocabulary slice, merged across the ranks of ``tp_group``), and the
+  logits-free parts replayed from CUDA graphs (``update_graph.py``), or for small batches the
+  whole step, projection included (``step_graph.py``);
 * the logprob stash: for the requests that converge now, the rows, temperature, threshold,
   allowed mask and selected tokens their logprobs need, handed to the front end's formatter
   while the tile's logits still exist.
@@ -31,9 +33,10 @@ Transient bytes per request (``bytes_per_request``):
 * PyTorch backend: the oracle works on fp32 chunks of rows; per row it holds about
   ``TORCH_BYTES_PER_ENTRY`` = 48 bytes per vocabulary entry (logits, z, exp, Gumbel bits as
   int64 intermediates, masks), so its chunk of rows is sized from the budget instead.
-* hidden-state input: the projected logits of a tile, ``W x V x logits_itemsize`` bytes per
-  request, plus the above; tiles are further capped at ``hidden_tile_bytes`` (1 GiB by
-  default): larger tiles buy no speed once a tile fills the GPU.
+* hidden-state input: the projected logits of a tile, ``W x V x itemsize`` bytes per request
+  (``Projection.itemsize``: 2 for our LM head's bf16 logits, 6 for vLLM's ``compute_logits``,
+  whose fp32 softcapped copy lives beside its bf16 output), plus the above. Tiles are as large
+  as the budget allows: every tile reads the whole ``[V, H]`` head (and the embedding) again.
 """
 
 from __future__ import annotations
@@ -46,11 +49,13 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from . import envs, reference, support
+from . import envs, reference, support, tensor_parallel
 from .config import SamplerConfig
+from .head import Projection
 from .reference import RowStats
 from .state import to_device_int64
 from .step import StepLayout, StepOutput, decode_step, step_layout
+from .step_graph import StepGraph, graphable_bytes
 from .update_graph import UpdateGraph
 
 STAT_BYTES = 64
@@ -73,6 +78,11 @@ def memory_budget(device: torch.device, fraction: float) -> int:
 def bytes_per_request(width: int, vocab: int, logits_itemsize: int = 0) -> int:
     """Transient bytes one request adds to a tile (``logits_itemsize`` > 0: projected logits)."""
     return width * (STAT_BYTES + vocab * logits_itemsize)
+
+
+def _stats_with(stats_fn: Callable[..., RowStats], **fixed: Any) -> Callable[..., RowStats]:
+    """``stats_fn`` with keyword arguments fixed (those a call also passes are overridden)."""
+    return lambda *a, **k: stats_fn(*a, **{**k, **fixed})
 
 
 def backend_functions(backend: str):
@@ -132,6 +142,7 @@ class TilePlan:
     slots_t: torch.Tensor
     row_starts: torch.Tensor
     valid: torch.Tensor
+    valid_np: np.ndarray
     width: torch.Tensor
     W: int
     top_k: torch.Tensor | None
@@ -139,6 +150,7 @@ class TilePlan:
     allowed: torch.Tensor | None
     layout: StepLayout
     update_graph: UpdateGraph | None = None
+    step_graph: StepGraph | None = None
 
 
 class StepRunner:
@@ -156,11 +168,14 @@ class StepRunner:
     vocab_size : the full vocabulary (random tokens are drawn from it).
     vocab_start : first vocabulary id of ``embed_weight`` (tensor parallelism).
     sc_reduce : in-place all-reduce of soft-embedding partial sums across ranks.
-    sharded_stats : a statistics function over this rank's vocabulary slice whose ranks merge
-        their partials (``tensor_parallel.row_stats_rows_sharded``), used for tiles without
-        masks; None: every rank streams the whole row.
-    memory_fraction, budget_bytes, hidden_tile_bytes : the tile budget of hidden-state input.
-    graph_update : replay the logits-free parts of a step from CUDA graphs (needs CUDA).
+    tp_group : the tensor-parallel process group (None: one rank). With several ranks, tiles
+        without masks compute their statistics from this rank's vocabulary slice and merge
+        O(1) partials per row across the group (``tensor_parallel``): from gathered logits each
+        rank reads its share of the columns; logits a ``Projection`` made for this rank's
+        slice alone are never gathered.
+    memory_fraction, budget_bytes : the tile budget of hidden-state input.
+    graph_update : replay the logits-free parts of a step from CUDA graphs (needs CUDA), and
+        whole steps of small batches (``step_graph.py``).
     """
 
     def __init__(
@@ -175,10 +190,9 @@ class StepRunner:
         vocab_size: int,
         vocab_start: int = 0,
         sc_reduce: Callable[[torch.Tensor], None] | None = None,
-        sharded_stats: Callable[..., RowStats] | None = None,
+        tp_group: Any = None,
         memory_fraction: float = 0.5,
         budget_bytes: int | None = None,
-        hidden_tile_bytes: int = 1 << 30,
         graph_update: bool | None = None,
     ) -> None:
         if backend not in ("triton", "torch"):
@@ -200,11 +214,15 @@ class StepRunner:
         self.vocab_size = vocab_size
         self.vocab_start = vocab_start
         self.sc_reduce = sc_reduce
-        self.sharded_stats = sharded_stats
+        self.tp_group = tp_group
+        # (None is one rank here, not torch.distributed's default group)
+        self.tp_world = 1 if tp_group is None else tensor_parallel.world_size_of(tp_group)
         self.memory_fraction = memory_fraction
         self.budget_bytes = budget_bytes
-        self.hidden_tile_bytes = hidden_tile_bytes
         self.graph_update = bool(graph_update)
+        # Whole-step graphs share one memory pool: one step runs at a time, and a replay's
+        # outputs are copied out before anything else runs (``step_graph.py``).
+        self.graph_pool = torch.cuda.graph_pool_handle() if self.graph_update else None
         self.stats_fn, self.soft_fn, self.logprobs_fn = backend_functions(backend)
         if cfg.tail_eps > 0 and embed_weight is not None:
             # The support pass's bin weights, built here: the first step may run inside a CUDA
@@ -236,8 +254,6 @@ class StepRunner:
         budget = self.budget_bytes
         if budget is None:
             budget = memory_budget(self.device, self.memory_fraction)
-        if logits_itemsize:
-            budget = min(budget, self.hidden_tile_bytes)
         return max(1, budget // bytes_per_request(width, vocab, logits_itemsize))
 
     def _torch_chunk_rows(self, vocab: int) -> int:
@@ -254,9 +270,7 @@ class StepRunner:
         vocab: int,
         logits: torch.Tensor | None = None,
         hidden_states: torch.Tensor | None = None,
-        project: Callable[[torch.Tensor, np.ndarray], torch.Tensor] | None = None,
-        logits_itemsize: int = 0,
-        softcap: float | None = None,
+        projection: Projection | None = None,
         column_tokens: torch.Tensor | None = None,
         logprobs: LogprobRequest | None = None,
     ) -> StepOutput:
@@ -264,19 +278,20 @@ class StepRunner:
         int64 arrays of their valid lengths and canvas widths; request j's rows follow
         request j-1's).
 
-        Give ``logits`` ``[sum(valid), vocab]``, or ``hidden_states`` ``[sum(valid), H]`` with
-        ``project(hidden_rows, valid_lengths) -> logits`` and the bytes per projected logit
-        the projection holds (``logits_itemsize``, for the tile budget): logits then exist
-        one tile at a time. ``softcap`` is applied in the kernels (None: the logits are
-        already capped). ``column_tokens`` names the token of each column when the logits
-        cover one allowed set only. Returns the step's output for all requests, in order.
+        Give ``logits`` ``[sum(valid), vocab]`` (read only), or ``hidden_states`` ``[sum(valid),
+        H]`` with the ``projection`` that makes a tile's logits (``vocab`` of its columns; the
+        step owns them and overwrites what it no longer reads): logits then exist one tile at
+        a time. ``column_tokens`` names the token of each column when the logits cover one
+        allowed set only. Returns the step's output for all requests, in order.
         """
         n = len(slots)
         W = int(widths.max())
         starts = np.concatenate(([0], np.cumsum(valid)[:-1])).astype(np.int64)
         hidden_input = hidden_states is not None
         if hidden_input:
-            tile = self.tile_requests(W, vocab, logits_itemsize)
+            if projection is None:
+                raise ValueError("hidden_states need a projection")
+            tile = self.tile_requests(W, vocab, projection.itemsize)
         else:
             # Logits input: the kernels need O(1) bytes per row, and the oracle bounds its
             # memory per chunk of rows (``_torch_chunk_rows``): one tile.
@@ -285,7 +300,7 @@ class StepRunner:
         stats_fn = self.stats_fn
         if self.backend == "torch":
             chunk = self._torch_chunk_rows(vocab)
-            stats_fn = lambda *a, **k: reference.row_stats_rows(*a, chunk_rows=chunk, **k)  # noqa: E731
+            stats_fn = _stats_with(reference.row_stats_rows, chunk_rows=chunk)
         if column_tokens is not None:
             # Constrained reads hold only K << V columns: the oracle is cheap there and keys
             # the noise by token id through ``column_tokens``.
@@ -297,20 +312,39 @@ class StepRunner:
             r0, r1 = int(starts[t0]), int(starts[t1 - 1] + valid[t1 - 1])
             plan = self.plan(slots[t0:t1], starts[t0:t1] - r0, valid[t0:t1], widths[t0:t1],
                              vocab, column_tokens, W=W)
-            if hidden_input:
-                tile_logits = project(hidden_states[r0:r1], valid[t0:t1])
-            else:
-                tile_logits = logits[r0:r1]
-            out = self.run_tile(plan, tile_logits, stats_fn=stats_fn, softcap=softcap,
+            rows = hidden_states[r0:r1] if hidden_input else logits[r0:r1]
+            graph = self._step_graph(plan, rows, vocab, projection, logprobs, column_tokens,
+                                     whole=t0 == 0 and t1 == n)
+            if graph is not None:
+                outputs.append(graph.run(rows))
+                continue
+            tile_logits = projection.project(rows, valid[t0:t1]) if hidden_input else rows
+            out = self.run_tile(plan, tile_logits, stats_fn=stats_fn, projection=projection,
                                 column_tokens=column_tokens)
             if logprobs is not None:
                 self._stash_logprobs(out, plan, tile_logits, starts[t0:t1] - r0, valid[t0:t1],
-                                     softcap, logprobs)
+                                     None if projection is None else projection.softcap, logprobs)
             outputs.append(out)
             # Drop this tile's logits before the next projection: otherwise two tiles are
             # alive at its peak.
             del tile_logits
         return _concat(outputs)
+
+    def _step_graph(self, plan: TilePlan, rows: torch.Tensor, vocab: int,
+                    projection: Projection | None, logprobs: LogprobRequest | None,
+                    column_tokens: torch.Tensor | None, *, whole: bool) -> StepGraph | None:
+        """The plan's whole-step graph where the step can be one (``step_graph.py``): a batch in
+        one tile whose logits are small, no logprobs to stash (they read the logits on the host's
+        word), every column of the vocabulary; else None (the step runs eagerly)."""
+        if not (self.graph_update and whole and plan.update_graph is not None
+                and logprobs is None and column_tokens is None):
+            return None
+        itemsize = rows.element_size() if projection is None else projection.itemsize
+        if rows.shape[0] * vocab * itemsize > graphable_bytes():
+            return None
+        if plan.step_graph is None:
+            plan.step_graph = StepGraph(self, plan, projection, pool=self.graph_pool)
+        return plan.step_graph
 
     def plan(self, tile_slots: Sequence[int], starts: np.ndarray, valid: np.ndarray,
              widths: np.ndarray, vocab: int, column_tokens: torch.Tensor | None = None, *,
@@ -338,6 +372,7 @@ class StepRunner:
             any_pins=self.options.any_pins(tile_slots))
         plan = TilePlan(
             slots=tile_slots, slots_t=slots_t, row_starts=row_starts, valid=valid_t,
+            valid_np=valid.copy(),
             width=width_t, W=W, top_k=top_k, top_p=top_p,
             allowed=None if column_tokens is not None else self.options.allowed_rows(tile_slots, vocab),
             layout=layout,
@@ -351,16 +386,40 @@ class StepRunner:
         return plan
 
     def run_tile(self, plan: TilePlan, tile_logits: torch.Tensor, *,
-                 stats_fn: Callable[..., RowStats] | None = None, softcap: float | None = None,
+                 stats_fn: Callable[..., RowStats] | None = None,
+                 projection: Projection | None = None,
                  column_tokens: torch.Tensor | None = None) -> StepOutput:
-        """``decode_step`` over one planned tile (no host work, no host synchronisation)."""
+        """``decode_step`` over one planned tile (no host work, no host synchronisation).
+        ``projection``: the tile's logits are a projection's, the step's own (None: a caller's
+        logits, read only)."""
         if stats_fn is None:
             stats_fn = self.stats_fn
-        if (self.sharded_stats is not None and column_tokens is None and plan.allowed is None
-                and plan.top_k is None and plan.top_p is None):
+        softcap = None if projection is None else projection.softcap
+        local = projection is not None and projection.vocab_start is not None
+        vocab_start = self.vocab_start if column_tokens is None else 0
+        unmasked = (column_tokens is None and plan.allowed is None and plan.top_k is None
+                    and plan.top_p is None)
+        if local:
+            # This rank's slice of the head: statistics from its own columns, merged across the
+            # ranks; the soft embedding multiplies the same slice (vocab_start 0 in the tile).
+            if projection.vocab_start != self.vocab_start or (
+                    tile_logits.shape[1] != self.embed_weight.shape[0]):
+                raise ValueError(
+                    f"the head slice [{projection.vocab_start}, +{tile_logits.shape[1]}) must be "
+                    f"the embedding's [{self.vocab_start}, +{self.embed_weight.shape[0]})")
+            stats_fn = _stats_with(tensor_parallel.row_stats_rows_local,
+                                   vocab_start=projection.vocab_start, group=self.tp_group,
+                                   backend=self.backend)
+            vocab_start = 0
+        elif self.tp_world > 1 and unmasked:
             # Every rank holds the gathered logits: each streams only its own vocabulary
             # slice and the ranks merge per-row partials.
-            stats_fn = self.sharded_stats
+            import torch.distributed as dist
+
+            start, end = tensor_parallel.vocab_slice(
+                self.vocab_size, dist.get_rank(self.tp_group), self.tp_world)
+            stats_fn = _stats_with(tensor_parallel.row_stats_rows_sharded, vocab_start=start,
+                                   vocab_end=end, group=self.tp_group, backend=self.backend)
         return decode_step(
             self.state, tile_logits, plan.slots_t, plan.row_starts, plan.valid, plan.width, plan.W,
             confidence_threshold=self.cfg.confidence_threshold,
@@ -371,11 +430,12 @@ class StepRunner:
             embed_weight=self._embed_for(column_tokens), normalizer=self.normalizer,
             vocab_size=self.vocab_size, softcap=softcap,
             top_k=plan.top_k, top_p=plan.top_p, allowed=plan.allowed,
-            column_tokens=column_tokens,
-            vocab_start=self.vocab_start if column_tokens is None else 0,
+            column_tokens=column_tokens, vocab_start=vocab_start,
+            row_vocab=self.vocab_size if local else None,
             sc_reduce=self.sc_reduce,
             layout=plan.layout, noise_backend=self.backend,
             update_runner=plan.update_graph, tail_eps=self.cfg.tail_eps,
+            logits_scratch=projection is not None,
         )
 
     def _embed_for(self, column_tokens: torch.Tensor | None) -> torch.Tensor:

@@ -11,11 +11,13 @@ every tile size give the same result. ``runner.py`` states the budget formula.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from .config import SamplerConfig
+from .head import LmHead
 from .ops import FLOAT_DTYPES, check_tensor, resolve_backend
 from .runner import LogprobRequest, LogprobRows, StepRunner
 from .state import DiffusionState, to_device_int64
@@ -57,11 +59,16 @@ class DiffusionSampler:
     backend : "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch".
     vocab_start : first vocabulary id of ``embed_weight`` (tensor parallelism).
     sc_reduce : in-place all-reduce of soft-embedding partial sums across ranks.
+    tp_group : the tensor-parallel process group (None: one rank). Its ranks merge per-row
+        partials of the statistics: from full logits each rank reads its share of the columns,
+        and from hidden states with this rank's slice of the head as ``output_weight`` (the
+        rows of ``embed_weight``) the logits are never gathered at all.
     memory_fraction : share of the free device memory the step's temporaries may use.
     budget_bytes : fixed budget instead of ``memory_fraction`` of the free memory.
     graph_update : replay the logits-free parts of a step (per-request gathers, state update)
-        from CUDA graphs once a batch shape repeats (``update_graph.py``); default: on CUDA,
-        unless ``DGEMMA_GRAPH_UPDATE=0``.
+        from CUDA graphs once a batch shape repeats (``update_graph.py``), and the whole step of
+        a batch of one or two requests (``step_graph.py``); default: on CUDA, unless
+        ``DGEMMA_GRAPH_UPDATE=0``.
     """
 
     def __init__(
@@ -74,9 +81,9 @@ class DiffusionSampler:
         backend: str = "auto",
         vocab_start: int = 0,
         sc_reduce: Callable[[torch.Tensor], None] | None = None,
+        tp_group: Any = None,
         memory_fraction: float = 0.5,
         budget_bytes: int | None = None,
-        hidden_tile_bytes: int = 1 << 30,
         graph_update: bool | None = None,
     ) -> None:
         if not isinstance(cfg, SamplerConfig):
@@ -96,8 +103,8 @@ class DiffusionSampler:
         self.runner = StepRunner(
             cfg, state, _StateOptions(state), self.embed_weight, normalizer,
             backend=self.backend, vocab_size=state.vocab_size, vocab_start=vocab_start,
-            sc_reduce=sc_reduce, memory_fraction=memory_fraction, budget_bytes=budget_bytes,
-            hidden_tile_bytes=hidden_tile_bytes, graph_update=graph_update)
+            sc_reduce=sc_reduce, tp_group=tp_group, memory_fraction=memory_fraction,
+            budget_bytes=budget_bytes, graph_update=graph_update)
         self.stats_fn, self.soft_fn, self.logprobs_fn = (
             self.runner.stats_fn, self.runner.soft_fn, self.runner.logprobs_fn)
         self.pending_logprobs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -143,9 +150,11 @@ class DiffusionSampler:
 
         ``logits`` are ``[sum(valid_len), V]`` (request j's rows follow request j-1's), or
         ``[n, W, V]`` with every canvas full. Alternatively give ``hidden_states``
-        ``[sum(valid_len), H]`` and the (tied) ``output_weight`` ``[V, H]``: logits are
-        projected one tile at a time (softcap from the config, fused into the kernels) and
-        the full-batch logits never exist. ``logprobs`` maps a slot to its top-n (>= 0) and
+        ``[sum(valid_len), H]`` and the (tied) ``output_weight`` of the same dtype, ``[V, H]``
+        or under tensor parallelism this rank's slice (the rows of ``embed_weight``): logits are
+        projected one tile at a time in that dtype, batch-invariantly (``head.LmHead``; the
+        softcap from the config is applied in the kernels that read them), and the full-batch
+        logits never exist. ``logprobs`` maps a slot to its top-n (>= 0) and
         ``logprob_token_ids`` a slot to the ids it wants; those requests get their
         logprobs on the step they emit (``StepOutput.logprobs``), as vLLM stashes them.
         """
@@ -175,8 +184,20 @@ class DiffusionSampler:
                 raise ValueError("give either logits or hidden_states, not both")
             check_tensor("hidden_states", hidden_states, dim=2, dtypes=FLOAT_DTYPES, device=state.device)
             check_tensor("output_weight", output_weight, dim=2, dtypes=FLOAT_DTYPES, device=state.device)
-            if hidden_states.shape[1] != output_weight.shape[1]:
-                raise ValueError("hidden_states and output_weight must share the hidden size")
+            head_rows = (state.vocab_size, self.embed_weight.shape[0])
+            if output_weight.shape[0] not in head_rows or output_weight.shape[1] != hidden_states.shape[1]:
+                raise ValueError(
+                    f"output_weight must be [{state.vocab_size}, {hidden_states.shape[1]}] (the "
+                    f"head) or [{self.embed_weight.shape[0]}, {hidden_states.shape[1]}] (this "
+                    f"rank's slice, as embed_weight), got {tuple(output_weight.shape)}")
+            if hidden_states.dtype != output_weight.dtype:
+                raise TypeError(f"hidden_states ({hidden_states.dtype}) and output_weight "
+                                f"({output_weight.dtype}) must have one dtype, the model's")
+            if hidden_states.stride(1) != 1:
+                raise ValueError("hidden_states must be contiguous in the hidden dimension")
+            if column_tokens is not None:
+                raise ValueError("column_tokens go with logits input (a shared allowed set's K "
+                                 "columns), not with hidden_states")
             n_rows, vocab = hidden_states.shape[0], output_weight.shape[0]
         else:
             check_tensor("logits", logits, dtypes=FLOAT_DTYPES, device=state.device)
@@ -201,16 +222,15 @@ class DiffusionSampler:
         stash = None
         if logprobs or logprob_token_ids:
             stash = self._logprob_request(logprobs or {}, logprob_token_ids or {}, column_tokens)
-        project = None
+        projection = None
         if hidden_input:
-            def project(hidden, lengths):
-                return self._project(hidden, output_weight, lengths)
+            whole = output_weight.shape[0] == state.vocab_size
+            projection = LmHead(output_weight, softcap=self.cfg.softcap,
+                                vocab_start=0 if whole else self.vocab_start,
+                                vocab_size=state.vocab_size, backend=self.backend).projection()
         result = self.runner.step(
             slots, valid, widths, vocab=vocab, logits=logits, hidden_states=hidden_states,
-            project=project,
-            logits_itemsize=hidden_states.element_size() if hidden_input else 0,
-            softcap=self.cfg.softcap if hidden_input else None,
-            column_tokens=column_tokens, logprobs=stash)
+            projection=projection, column_tokens=column_tokens, logprobs=stash)
         if self.pending_logprobs:
             emitted = (result.num_sampled > 0).cpu().tolist()
             for s, e in zip(slots, emitted):
@@ -238,22 +258,6 @@ class DiffusionSampler:
             return self.runner.run_tile(plan, logits)
 
         return run
-
-    def _project(self, hidden: torch.Tensor, weight: torch.Tensor, lengths) -> torch.Tensor:
-        """Logits of one tile, ``hidden @ weight.T`` in the model dtype (as vLLM's lm_head);
-        the kernels upcast to fp32 and apply the softcap in registers.
-
-        One GEMM per request: a BLAS may round a row differently depending on how many rows
-        share the GEMM, and a request's results must not depend on the tile it lands in.
-        """
-        out = torch.empty(hidden.shape[0], weight.shape[0], dtype=torch.result_type(hidden, weight),
-                          device=hidden.device)
-        r = 0
-        for k in lengths:
-            k = int(k)
-            torch.matmul(hidden[r:r + k], weight.t(), out=out[r:r + k])
-            r += k
-        return out
 
     def _logprob_request(self, logprobs: dict[int, int], token_ids: dict[int, Sequence[int]],
                          column_tokens: torch.Tensor | None) -> LogprobRequest:

@@ -339,6 +339,8 @@ def decode_step(
     noise_backend: str = "auto",
     update_runner: UpdateRunner | None = None,
     tail_eps: float = 0.0,
+    row_vocab: int | None = None,
+    logits_scratch: bool = False,
 ) -> StepOutput:
     """Run one decode step for the requests in ``slots`` (device tensors, no host sync).
 
@@ -357,8 +359,14 @@ def decode_step(
     called directly.
     ``tail_eps``: the soft embedding's tail tolerance (``support.py``); a vocabulary slice of
     ``embed_weight`` gets the share ``tail_eps * V_local / V``, so the all-reduced sum keeps it.
+    ``row_vocab``: the vocabulary a row stands for when ``logits`` hold this rank's slice of it
+    only (its phantom rows' entropy and the slice's share of ``tail_eps``); None: the logits'
+    columns. ``logits_scratch``: the step owns ``logits`` and the soft embedding may overwrite
+    the rows it multiplies (``kernels/soft_embedding_operand.py``).
     """
     n_rows, cols = logits.shape
+    if row_vocab is not None:
+        cols = row_vocab
     if layout is None:
         layout = step_layout(state, slots, row_starts, valid_len, width, W, n_rows)
     request = layout.request
@@ -403,7 +411,8 @@ def decode_step(
         threshold = flat.threshold if (top_k is not None or top_p is not None) else None
         soft_args = (logits, request, temperature, flat.lse, embed_weight, normalizer)
         soft_kwargs = dict(keep=keep, threshold=threshold, allowed=allowed, vocab_start=vocab_start,
-                           softcap=softcap, out=sc_rows, out_index=layout.sc_index, inv_t=inv_t)
+                           softcap=softcap, out=sc_rows, out_index=layout.sc_index, inv_t=inv_t,
+                           logits_scratch=logits_scratch)
         slice_eps = support.slice_tail_eps(tail_eps, embed_weight.shape[0] / cols)
         if slice_eps > 0:
             _, rows_support = support.soft_embedding_tail(

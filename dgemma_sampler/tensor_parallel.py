@@ -224,10 +224,37 @@ def row_stats_rows_sharded(
     merge their partials with one all_gather, so each rank streams ``1 / world`` of the
     logits. Returns the single-GPU ``RowStats`` (global ids), identical on every rank.
     """
+    return row_stats_rows_local(logits[:, vocab_start:vocab_end], row_request, row_position,
+                                temperature, seeds, draws, vocab_start=vocab_start, group=group,
+                                softcap=softcap, top_k=top_k, top_p=top_p, allowed=allowed,
+                                backend=backend, sample_block=sample_block)
+
+
+def row_stats_rows_local(
+    local_logits: torch.Tensor,
+    row_request: torch.Tensor,
+    row_position: torch.Tensor,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor,
+    draws: torch.Tensor,
+    *,
+    vocab_start: int,
+    group=None,
+    softcap: float | None = None,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    allowed: torch.Tensor | None = None,
+    backend: str = "auto",
+    sample_block: int = reference.SAMPLE_BLOCK,
+) -> RowStats:
+    """Flat-row statistics of the full vocabulary from this rank's logits alone: ``local_logits``
+    ``[N, V_local]`` are vocabulary ids ``[vocab_start, vocab_start + V_local)`` (a multiple of
+    ``sample_block``), e.g. this rank's slice of the LM head applied to hidden states, never
+    gathered. The ranks merge their packed partials with one all_gather. Returns the single-GPU
+    ``RowStats`` (global ids), identical on every rank."""
     _reject_constraints(top_k=top_k, top_p=top_p, allowed=allowed)
-    local = logits[:, vocab_start:vocab_end]
-    packed, stats = _local_partials_rows(local, row_request, row_position, temperature, seeds,
-                                         draws, vocab_start=vocab_start, softcap=softcap,
+    packed, stats = _local_partials_rows(local_logits, row_request, row_position, temperature,
+                                         seeds, draws, vocab_start=vocab_start, softcap=softcap,
                                          backend=backend, sample_block=sample_block)
     return _merge_ranks(packed, stats, temperature, row_request, world_size_of(group), group)
 

@@ -30,6 +30,7 @@ either (``cudaGraphLaunch`` costs host time too), but it is one call.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -40,7 +41,7 @@ from .step import StepOutput
 CAPTURE_AFTER = 1
 
 
-def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     """``d.copy_(s)`` for each pair, one ``_foreach_copy_`` launch per dtype."""
     groups: dict[torch.dtype, tuple[list, list]] = {}
     for d, s in zip(dst, src):
@@ -55,14 +56,15 @@ def _escaping(out: StepOutput) -> list[torch.Tensor]:
     return [out.sampled, out.num_sampled, out.just_converged, *out.stats.as_tuple()]
 
 
-def _capture(fn: Callable, device: torch.device):
-    """``(graph, fn())`` with ``fn``'s kernels recorded, not run (run them by replaying)."""
+def capture(fn: Callable, device: torch.device, pool: Any = None):
+    """``(graph, fn())`` with ``fn``'s kernels recorded, not run (run them by replaying); its
+    memory from ``pool`` (``torch.cuda.graph_pool_handle()``) when given, else a pool of its own."""
     graph = torch.cuda.CUDAGraph()
     current = torch.cuda.current_stream(device)
     stream = torch.cuda.Stream(device=device)
     stream.wait_stream(current)
     with torch.cuda.stream(stream):
-        graph.capture_begin()
+        graph.capture_begin(pool=pool)
         try:
             result = fn()
         finally:
@@ -102,7 +104,7 @@ class UpdateGraph:
         if self._eager(self.prologue_calls):
             return fn()
         if self.prologue_graph is None:
-            self.prologue_graph, self._prologue_out = _capture(fn, device)
+            self.prologue_graph, self._prologue_out = capture(fn, device)
         self.prologue_graph.replay()
         return self._prologue_out
 
@@ -115,7 +117,7 @@ class UpdateGraph:
             return update(flat)
         if self.graph is None:
             self._capture_update(update, flat)
-        _copy_all(list(self._inputs.as_tuple()), list(flat.as_tuple()))
+        copy_all(list(self._inputs.as_tuple()), list(flat.as_tuple()))
         self.graph.replay()
         self._flat = flat
         return self._outputs
@@ -135,7 +137,7 @@ class UpdateGraph:
                 leaving.append(t)
                 fresh.append(copy)
                 parts.append(copy)
-        _copy_all(fresh, leaving)
+        copy_all(fresh, leaving)
         sampled, num_sampled, just_converged, *stats = parts
         return StepOutput(sampled=sampled, num_sampled=num_sampled, just_converged=just_converged,
                           stats=RowStats(*stats))
@@ -143,7 +145,7 @@ class UpdateGraph:
     def _capture_update(self, update, flat: RowStats) -> None:
         self._inputs = RowStats(*(torch.empty_like(t) for t in flat.as_tuple()))
         # ``gather``: the graph reads seeds and draws from the state itself.
-        self.graph, self._outputs = _capture(lambda: update(self._inputs, True), flat.argmax.device)
+        self.graph, self._outputs = capture(lambda: update(self._inputs, True), flat.argmax.device)
         # Which escaping outputs are whole, contiguous views of an input buffer.
         inputs = self._inputs.as_tuple()
         self._aliases = [

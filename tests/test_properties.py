@@ -707,8 +707,7 @@ def run_scenario(sc, arr, backend, inputs):
     w_out, embed, per_req = inputs
     state = ds.DiffusionState(arr["max_slots"], cfg, vocab, HIDDEN, DEVICE)
     sampler = ds.DiffusionSampler(cfg, state, embed.to(DEVICE), 1.7, backend=backend,
-                                  budget_bytes=arr["budget"],
-                                  hidden_tile_bytes=1 if arr["budget"] == 1 else 1 << 30)
+                                  budget_bytes=arr["budget"])
     slot_of = arr["slots"]
     for j, req in enumerate(reqs):
         state.add_request(slot_of[j], seed=req.seed, max_steps=req.max_steps, canvas_width=req.width,

@@ -904,6 +904,84 @@ def test_hidden_states_shared_allowed_set():
     assert emitted == 1
 
 
+def model_pair(weight: torch.Tensor, **kw) -> tuple[Pair, vh.ModelComputeLogits,
+                                                  vh.ModelComputeLogits]:
+    """Both samplers built with DiffusionGemma's own ``compute_logits`` (a model each, one
+    head): vLLM's calls it, ours projects through the model's ``lm_head.weight`` itself."""
+    ref_head, our_head = vh.ModelComputeLogits(weight), vh.ModelComputeLogits(weight)
+    heads = iter((ref_head, our_head))  # Pair builds vLLM's sampler first
+    pair = Pair(hidden=HID, embed_weight=weight, logits_dtype=weight.dtype,
+                compute_logits=lambda states: next(heads)(states), **kw)
+    return pair, ref_head, our_head
+
+
+@needs_034
+def test_models_own_head_projected_by_the_adapter():
+    """DiffusionGemma's ``compute_logits`` over a real (small) tied head: vLLM's sampler calls it
+    (bf16 GEMM, fp32 softcapped copy); ours never does, and projects the head itself in bf16
+    with the softcap in the kernels. Step by step the two agree as everywhere else (top-k /
+    top-p, logprobs by top-n and by ids, a narrow and a truncated canvas, a read-only request),
+    in tiles of one request and of all."""
+    from dgemma_sampler.runner import bytes_per_request
+
+    for tile in (1, 5):
+        vh.set_free_memory(0)
+        gen = torch.Generator().manual_seed(21)
+        torch.manual_seed(21)
+        weight = lm_head(21)
+        pair, ref_head, our_head = model_pair(weight)
+        assert pair.ours.sampler._model_head is not None  # recognised as DiffusionGemma's own
+        runner = pair.ours.sampler.runner
+        runner.budget_bytes = tile * bytes_per_request(CL, V, weight.element_size())
+        pair.add(0, top_k=5, logprobs=2, extra_args={"diffusion_max_steps": 3})
+        pair.add(1, top_p=0.7, logprob_token_ids=[4, 9], extra_args={"diffusion_canvas_length": 5})
+        pair.add(2, extra_args={"diffusion_max_steps": 4})
+        pair.add(3, logprobs=1, extra_args={"diffusion_read_only": True, "diffusion_max_steps": 2})
+        pair.add(4)
+        pair.step([Prefill(s, 4) for s in range(5)], torch.zeros(0, HID))
+        entries = [Decode(0, CL), Decode(1, 5), Decode(2, 6), Decode(3, CL), Decode(4, 7)]
+        targets = {e.slot: torch.randint(0, V, (e.valid_len,), generator=gen) for e in entries}
+        emitted = 0
+        for j in range(5):
+            hidden = torch.cat([
+                (3.0 * weight[targets[e.slot]].float() if j else 0.0)
+                + torch.randn(e.valid_len, HID, generator=gen) for e in entries]).to(torch.bfloat16)
+            out, _ = pair.step(entries, hidden)
+            emitted += out.logprobs_tensors is not None
+            assert runner.last_tile_requests == min(tile, len(entries))
+            if 3 in [e.slot for e in entries] and int(out.num_sampled[3]) > 0:
+                entries = [e for e in entries if e.slot != 3]
+                pair.remove(3)
+        assert emitted >= 2
+        assert ref_head.calls and not our_head.calls
+
+
+@needs_034
+def test_models_own_head_leaves_a_shared_set_to_compute_logits():
+    """A shared constrained set: only ``compute_logits`` knows its K columns (it projects onto
+    those rows of the head), so ours calls it there, and both samplers agree."""
+    torch.manual_seed(22)
+    weight = lm_head(22)
+    pair, _, _ = model_pair(weight)
+    allowed = [30, 2, 17, 61, 8]
+    for s in (0, 1):
+        pair.add(s, logprob_token_ids=allowed, extra_args={"diffusion_constrained": True})
+    pair.step([Prefill(0, 4), Prefill(1, 4)], torch.zeros(0, HID))
+    entries = [Decode(1, CL), Decode(0, 7)]
+    gen = torch.Generator().manual_seed(22)
+    target = torch.tensor(allowed)[torch.randint(0, 5, (CL + 7,), generator=gen)]
+    for j in range(3):
+        assert pair.allowed(entries).tolist() == allowed
+        hidden = ((4.0 * weight[target].float() if j else 0.0)
+                  + torch.randn(CL + 7, HID, generator=gen)).to(torch.bfloat16)
+        pair.step(entries, hidden)
+        # (the step's set is still on our states: compute_logits projected it)
+        assert pair.ours.states.step_allowed is not None
+        assert pair.ours.sampler._lm_head(np.array([0, 1])) is None
+    pair.ours.states.step_allowed = None
+    assert pair.ours.sampler._lm_head(np.array([0, 1])) is not None
+
+
 @needs_034
 def test_profile_run_goes_through_our_path():
     """0.34's ``profile_run`` (one dummy full-canvas request, then slot 0 reset): on ours it

@@ -118,7 +118,8 @@ HIDDEN_INPUT = RELEASE == "0.34"
 
 # The free memory the fake get_memory_info reports; the sampler tiles by half of it.
 _FREE_MEMORY = [64 << 30]
-_COMPILED_NAMES = ("_compute_num_rejected", "_denoise_temperature", "_compiled_sample_step")
+_COMPILED_NAMES = ("_compute_num_rejected", "_denoise_temperature", "_compiled_sample_step",
+                   "_softcap_logits")  # (the last: 0.34's compute_logits)
 _ORIGINALS: dict[str, Any] = {}
 
 
@@ -149,6 +150,8 @@ def install_cpu_stubs(compiled: bool = False) -> None:
     torch.accelerator.get_memory_info = _fake_memory_info
     dg.apply_top_k_top_p = _top_k_top_p_on_cpu
     for name in _COMPILED_NAMES:
+        if not hasattr(dg, name):
+            continue
         compiled_fn = _ORIGINALS.setdefault(name, getattr(dg, name))
         setattr(dg, name, compiled_fn if compiled else compiled_fn._torchdynamo_orig_callable)
 
@@ -318,6 +321,50 @@ class LmHeadProjection:
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
+
+
+class ModelComputeLogits:
+    """DiffusionGemma's own ``compute_logits`` (0.34), as the model state passes it: the bound
+    method of a ``DiffusionGemmaForConditionalGeneration`` whose LM head is ``weight`` (tied,
+    bf16, unquantized), with vLLM's real ``LogitsProcessor`` and the model's final softcap.
+    The model is built without its layers (only what ``compute_logits`` reads); the head GEMM
+    is vLLM's CPU dispatch (``layer.cpu_linear``), here ``F.linear``, counted in ``calls``
+    (rows per call). Call it with the sampler's request states to get the bound method."""
+
+    def __init__(self, weight: torch.Tensor, softcap: float | None = 30.0) -> None:
+        self.weight = weight
+        self.softcap = softcap
+        self.calls: list[int] = []
+        self.model: Any = None
+
+    def __call__(self, states: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+        from vllm.config import VllmConfig, set_current_vllm_config
+        from vllm.model_executor.layers.logits_processor import LogitsProcessor
+        from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+        cls = dg.DiffusionGemmaForConditionalGeneration
+        model = cls.__new__(cls)
+        torch.nn.Module.__init__(model)
+        head = torch.nn.Module()
+        head.weight = torch.nn.Parameter(self.weight, requires_grad=False)
+        head.quant_method = UnquantizedEmbeddingMethod()
+        head.tp_size = 1
+        vocab = self.weight.shape[0]
+        head.shard_indices = SimpleNamespace(org_vocab_start_index=0, org_vocab_end_index=vocab,
+                                             num_org_vocab_padding=0)
+
+        def cpu_linear(x, w, b):
+            self.calls.append(x.shape[0])
+            return torch.nn.functional.linear(x, w, b)
+
+        head.cpu_linear = cpu_linear
+        model.lm_head = head
+        with set_current_vllm_config(VllmConfig()):
+            model.logits_processor = LogitsProcessor(vocab, soft_cap=None)
+        model.final_logit_softcapping = self.softcap
+        model.diffusion_states = states
+        self.model = model
+        return model.compute_logits
 
 
 def make_runner_sampler(

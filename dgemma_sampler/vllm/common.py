@@ -31,6 +31,7 @@ from vllm.v1.outputs import LogprobsTensors
 
 from .. import reference
 from ..config import SamplerConfig
+from ..head import Projection
 from ..keyed_noise import Stream, random_tokens
 from ..ops import resolve_backend
 from ..runner import LogprobRequest, LogprobRows, StepRunner
@@ -77,7 +78,7 @@ class FusedSampler:
             self.embed_weight[: self.sc_vocab_end - self.sc_vocab_start], self.normalizer,
             backend=self.backend, vocab_size=self.vocab_size, vocab_start=self.sc_vocab_start,
             sc_reduce=self._all_reduce if self.tp_size > 1 else None,
-            sharded_stats=self._sharded_row_stats if self.tp_size > 1 else None,
+            tp_group=self._tp_device_group() if self.tp_size > 1 else None,
         )
         self.logprobs_fn = self.runner.logprobs_fn
 
@@ -111,10 +112,10 @@ class FusedSampler:
 
     # ------------------------------------------------------------------ the step
     def _sample(self, rows: torch.Tensor, input_batch: Any, *,
-                project: Callable[[torch.Tensor, np.ndarray], torch.Tensor] | None = None,
-                logits_itemsize: int = 0) -> Any:
-        """A whole step of vLLM's sampler: ``rows`` are logits, or hidden states to
-        ``project`` a tile at a time (``logits_itemsize`` bytes per projected logit)."""
+                projection: Callable[[np.ndarray], tuple[Projection, int]] | None = None) -> Any:
+        """A whole step of vLLM's sampler: ``rows`` are logits, or hidden states projected a tile
+        at a time by the ``Projection`` that ``projection(decode_slots)`` picks for this step
+        (with the number of columns it makes)."""
         if input_batch.num_draft_tokens == 0:
             return self._handle_prefill(input_batch, rows.device)
         num_reqs = input_batch.num_reqs
@@ -132,39 +133,36 @@ class FusedSampler:
         logprobs_tensors = None
         if len(decode_idx_np):
             self._decode(rows, input_batch, slots_np, nlogits_np, decode_idx_np, sampled,
-                         num_sampled, project, logits_itemsize)
+                         num_sampled, projection)
             logprobs_tensors = self._emit_logprobs(slots_np, num_sampled, num_reqs)
         return self._build_output(input_batch, sampled, num_sampled, nlogits_np, rows.device,
                                   logprobs_tensors=logprobs_tensors)
 
     def _decode(self, rows, input_batch, slots_np, nlogits_np, decode_idx_np, sampled,
-                num_sampled, project, logits_itemsize) -> None:
+                num_sampled, projection) -> None:
         column_tokens = self.diffusion_states.step_allowed  # a shared set: [rows, K] logits
         decode_slots_np = slots_np[decode_idx_np].astype(np.int64)
+        vocab = self.vocab_size if column_tokens is None else column_tokens.numel()
+        tile_projection = None
+        if projection is not None:
+            tile_projection, vocab = projection(decode_slots_np)
         out = decode(
             self.runner, rows, decode_slots=decode_slots_np, decode_idx=decode_idx_np,
-            valid=nlogits_np[decode_idx_np], column_tokens=column_tokens,
-            vocab=self.vocab_size if column_tokens is None else column_tokens.numel(),
+            valid=nlogits_np[decode_idx_np], column_tokens=column_tokens, vocab=vocab,
             sampled=sampled, num_sampled=num_sampled, draft_tokens=self.req_states.draft_tokens,
             all_slots=input_batch.idx_mapping[: input_batch.num_reqs],
-            project=project, logits_itemsize=logits_itemsize,
+            projection=tile_projection,
             logprobs=self._logprob_request(slots_np, decode_slots_np, column_tokens))
         _log_soft_embedding_paths(out)
 
     # ------------------------------------------------------------------ tensor parallelism
-    def _sharded_row_stats(self, *args: Any, **kwargs: Any):
-        """Row statistics over this rank's vocabulary slice, merged across the ranks (every
-        rank holds the gathered logits). The slices are whole sampling blocks (vLLM's
-        partition need not be), so the draw is the one a single GPU makes."""
-        import torch.distributed as dist
+    @staticmethod
+    def _tp_device_group() -> Any:
+        """vLLM's tensor-parallel process group, over which the runner merges per-row partials
+        of the statistics (``tensor_parallel``)."""
         from vllm.distributed.parallel_state import get_tp_group
 
-        from ..tensor_parallel import row_stats_rows_sharded, vocab_slice
-
-        group = get_tp_group().device_group
-        start, end = vocab_slice(self.vocab_size, dist.get_rank(group), self.tp_size)
-        return row_stats_rows_sharded(*args, vocab_start=start, vocab_end=end, group=group,
-                                      backend=self.backend, **kwargs)
+        return get_tp_group().device_group
 
     def _all_reduce(self, t: torch.Tensor) -> None:
         t.copy_(torch.ops.vllm.all_reduce(t, group_name=self.tp_group_name))

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..head import Projection
 from ..runner import LogprobRequest, StepRunner
 from ..state import to_device_int64
 from ..step import StepOutput
@@ -26,8 +27,17 @@ SOFTCAP_COPY_BYTES = 4
 
 def projected_logit_bytes(embed_weight: torch.Tensor) -> int:
     """Bytes ``compute_logits`` holds per logit at its peak: the head's output in the model
-    dtype and its fp32 softcapped copy (the tile budget of vLLM 0.34's hidden-state input)."""
+    dtype and its fp32 softcapped copy (the tile budget of vLLM 0.34's hidden-state input when
+    the step projects through ``compute_logits``)."""
     return embed_weight.element_size() + SOFTCAP_COPY_BYTES
+
+
+def compute_logits_projection(compute_logits: Callable[[torch.Tensor], torch.Tensor],
+                              embed_weight: torch.Tensor) -> Projection:
+    """A ``Projection`` through vLLM's own ``compute_logits`` (softcap applied, full vocabulary
+    or a shared set's K columns, gathered across ranks)."""
+    return Projection(project=lambda hidden, lengths: compute_logits(hidden),
+                      itemsize=projected_logit_bytes(embed_weight))
 
 
 class VllmRequestOptions:
@@ -61,6 +71,13 @@ class VllmRequestOptions:
                 mask[i, states.allowed_tensor(ids)] = True
         return mask
 
+    def any_masks(self, slots: list[int]) -> bool:
+        """Whether a request of ``slots`` uses top-k, top-p or an allowed set (host arrays only)."""
+        ss = self.sampling_states
+        return (bool((ss.top_k.np[slots] < self.vocab_size).any())
+                or bool((ss.top_p.np[slots] < 1.0).any())
+                or any(s in self.diffusion_states.constrained for s in slots))
+
     def any_pins(self, slots: list[int]) -> bool:
         # Pins come with a seed canvas only, so the seeded slots cover the pinned ones.
         return not self.diffusion_states.seeded_slots.isdisjoint(slots)
@@ -79,14 +96,13 @@ def decode(
     num_sampled: torch.Tensor,
     draft_tokens: torch.Tensor,
     all_slots: torch.Tensor,
-    project: Callable[[torch.Tensor, np.ndarray], torch.Tensor] | None = None,
-    logits_itemsize: int = 0,
+    projection: Projection | None = None,
     logprobs: LogprobRequest | None = None,
 ) -> StepOutput:
     """The decode requests of one vLLM step, on the device.
 
-    ``rows`` are the logits of the decoding requests (vLLM 0.33) or their hidden states
-    (0.34, with ``project`` = ``compute_logits`` and ``logits_itemsize`` its bytes per logit);
+    ``rows`` are the logits of the decoding requests (vLLM 0.33) or their hidden states (0.34,
+    with the ``projection`` of a tile: the model's LM head, or ``compute_logits``);
     ``decode_slots`` / ``decode_idx`` / ``valid``: each decoding request's slot, its index in
     the batch and its number of rows. Writes vLLM's outputs: ``sampled`` [num_reqs, CL] and
     ``num_sampled`` [num_reqs] at ``decode_idx``, and every batch slot's canvas into
@@ -94,13 +110,11 @@ def decode(
     """
     states = runner.state
     widths = states.canvas_width_np[decode_slots].astype(np.int64)
-    hidden = project is not None
+    hidden = projection is not None
     out = runner.step(
         decode_slots.tolist(), valid.astype(np.int64), widths, vocab=vocab,
         logits=None if hidden else rows, hidden_states=rows if hidden else None,
-        project=project, logits_itemsize=logits_itemsize,
-        # vLLM's compute_logits applies the final softcap itself.
-        softcap=None, column_tokens=column_tokens, logprobs=logprobs)
+        projection=projection, column_tokens=column_tokens, logprobs=logprobs)
     W = out.sampled.shape[1]
     decode_idx_t = to_device_int64(rows.device, decode_idx)[0]
     sampled[decode_idx_t, :W] = out.sampled.to(sampled.dtype)
