@@ -1,25 +1,33 @@
-"""The step vLLM runs: ``FusedDiffusionSampler``'s device path through the runner, without vLLM.
+"""The step vLLM 0.34 users run, from hidden states: ours against vLLM's own and the two-GEMM floor.
 
-For each number of decoding requests it times one decode step as each vLLM adapter runs it
-(``dgemma_sampler.vllm.device.decode`` over ``runner.StepRunner``, with stand-ins for vLLM's
-host objects, as ``tests/test_vllm_device_path.py`` builds them), and in the same run what it
-is made of:
+For each number of decoding requests (DiffusionGemma's shape: CL 256, V 262144, H 2816, a bf16
+tied head, softcap 30, broad rows, default configuration) it times in one run, one decode step
+each (median of CUDA-event timings after warm-up; transient memory = peak allocation beyond
+what existed before the step):
 
-* ``v0.34`` — hidden states ``[N * CL, H]`` in the model dtype; ``compute_logits`` (a bf16 LM
-  head GEMM and the fp32 softcap, as DiffusionGemma's) one tile at a time, tiles sized by the
-  runner's budget; then the fused step over each tile's logits;
-* ``v0.33`` — fp32 softcapped logits ``[N * CL, V]`` projected beforehand (not timed), the
-  fused step over them in one tile;
-* ``projection`` — ``compute_logits`` over all rows alone: what 0.34's path adds to 0.33's;
-* ``sampler`` — ``DiffusionSampler.step`` over the same logits (the public API; the same
-  runner, so it should time as ``v0.33``).
+* ``floor`` — the two cuBLAS GEMMs a step from hidden states cannot avoid, each alone: the head
+  ``hidden @ W^T`` (bf16 out) and the soft embedding ``p @ E`` (``vllm_paths.two_gemm_floor``);
+* ``vllm`` — vLLM 0.34's own device path (``vllm_paths.v034_step``: its tiles, ``compute_logits``
+  with the softcap compiled, its row-statistics kernel, bf16 probabilities, ``probs @ E``), when
+  ``--vllm-kernels FILE`` gives vLLM's kernel module (``tools/fetch_vllm_kernels.sh``);
+* ``adapter`` — our 0.34 adapter's device path (``vllm.device.decode`` over ``runner.StepRunner``,
+  with stand-ins for vLLM's host objects) projecting through the model's LM head itself
+  (``head.LmHead``: bf16 logits, softcap in the kernels), as it does when ``compute_logits`` is
+  DiffusionGemma's own; at 1 and 2 requests the whole step replays from one CUDA graph;
+* ``native`` — ``DiffusionSampler.step(hidden_states=..., output_weight=...)``: the same runner;
+* secondary rows: the adapter through vLLM's ``compute_logits`` (its fallback: fp32 softcapped
+  copies, compiled softcap), ``compute_logits`` alone, our head GEMM alone
+  (``kernels/head_gemm.py``) against cuBLAS's, and our step on precomputed fp32 logits
+  (vLLM 0.33's contract; the projection not counted).
 
-Speed target: ``v0.34 <= 1.05 x (projection + v0.33)`` (tiling the projection costs no more
-than 5%) and ``v0.33 <= 1.02 x sampler`` (the adapter adds no device work). Transient memory
-(peak allocated beyond inputs and state): ``v0.34`` one tile of projected logits
-(``bytes_per_request`` with 6 bytes per logit), ``v0.33`` O(1) per row.
+Ratios: adapter / floor and adapter / vLLM (the issue's targets: <= 1.25 / 1.20 / 1.12 / 1.12
+and <= 0.75 / 0.70 / 0.70 / 0.70 at 1 / 4 / 16 / 32 requests), native / adapter (within 3%).
+``--peaked`` adds, at the largest request count, every row peaked (``peaked36``-like: hidden
+states on one head row each, the top token holding all but ~1e-9 of the mass): the adapter step
+against the head GEMM alone (target <= 1.3x).
 
-    bash bench/on_device.sh runner python bench_runner.py             # on the GPU
+    bash tools/on_device.sh runner python bench_runner.py --peaked \
+        --vllm-kernels ../.vllm_kernels/diffusion_gemma_sampler.py
     python bench/bench_runner.py --requests 1,2 --canvas 8 --vocab 301 --hidden 16   # CPU smoke
 """
 
@@ -35,36 +43,32 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import record  # noqa: E402
+import vllm_paths  # noqa: E402
 from bench_step import GIB, device_timer, transient_bytes  # noqa: E402
 
 import dgemma_sampler as ds  # noqa: E402
+from dgemma_sampler.head import LmHead  # noqa: E402
 from dgemma_sampler.ops import resolve_backend  # noqa: E402
 from dgemma_sampler.runner import StepRunner  # noqa: E402
-from dgemma_sampler.vllm.device import VllmRequestOptions, decode, projected_logit_bytes  # noqa: E402
+from dgemma_sampler.vllm.device import VllmRequestOptions, compute_logits_projection, decode  # noqa: E402
 
 SOFTCAP = 30.0
+# the issue's targets per request count: adapter / floor, adapter / vLLM 0.34
+TARGETS = {1: (1.25, 0.75), 4: (1.20, 0.70), 16: (1.12, 0.70), 32: (1.12, 0.70)}
 
 
-def compute_logits(weight: torch.Tensor):
-    """DiffusionGemma's ``compute_logits``: the tied head in its dtype, then the softcap in
-    fp32 in place (vLLM compiles it into one kernel: the head's output and its fp32 copy are
-    all it holds)."""
-
-    def project(hidden: torch.Tensor, lengths=None) -> torch.Tensor:
-        logits = torch.nn.functional.linear(hidden, weight).float()
-        return logits.div_(SOFTCAP).tanh_().mul_(SOFTCAP)
-
-    return project
+def never_converging(canvas: int) -> ds.SamplerConfig:
+    """Every timed step is a denoise step with its soft embedding."""
+    return ds.SamplerConfig(canvas_length=canvas, confidence_threshold=0.0,
+                            max_denoising_steps=1_000_000, softcap=SOFTCAP)
 
 
 class VllmStandIn:
     """vLLM's host objects around the adapter's runner: diffusion states (a ``DiffusionState``
     with the same tensors), sampling states without top-k / top-p, the output buffers."""
 
-    def __init__(self, n, canvas, vocab, hidden, weight, device, hidden_tile_bytes):
-        # Never converge: every timed step is a denoise step with its soft embedding.
-        cfg = ds.SamplerConfig(canvas_length=canvas, confidence_threshold=0.0,
-                               max_denoising_steps=1_000_000)
+    def __init__(self, n, canvas, vocab, hidden, weight, device):
+        cfg = never_converging(canvas)
         self.states = ds.DiffusionState(n, cfg, vocab, hidden, device)
         for s in range(n):
             self.states.add_request(s, seed=1000 + s)
@@ -73,10 +77,11 @@ class VllmStandIn:
                               gpu=torch.full((n,), vocab, dtype=torch.int32, device=device))
         one = SimpleNamespace(np=np.ones(n, dtype=np.float32),
                               gpu=torch.ones(n, dtype=torch.float32, device=device))
+        backend = resolve_backend("auto", torch.device(device))
         options = VllmRequestOptions(SimpleNamespace(top_k=off, top_p=one), self.states, vocab)
         self.runner = StepRunner(cfg, self.states, options, weight, float(hidden) ** 0.5,
-                                 backend=resolve_backend("auto", torch.device(device)),
-                                 vocab_size=vocab, hidden_tile_bytes=hidden_tile_bytes)
+                                 backend=backend, vocab_size=vocab)
+        self.head = LmHead(weight, softcap=SOFTCAP, backend=backend)
         self.n, self.canvas, self.vocab = n, canvas, vocab
         self.sampled = torch.zeros(n, canvas, dtype=torch.int32, device=device)
         self.num_sampled = torch.zeros(n, dtype=torch.int32, device=device)
@@ -84,13 +89,29 @@ class VllmStandIn:
         self.all_slots = torch.arange(n, device=device)
         self.weight = weight
 
-    def step(self, rows: torch.Tensor, project=None) -> None:
+    def step(self, rows: torch.Tensor, projection=None) -> None:
         n = self.n
         decode(self.runner, rows, decode_slots=np.arange(n), decode_idx=np.arange(n),
                valid=np.full(n, self.canvas), vocab=self.vocab, column_tokens=None,
                sampled=self.sampled, num_sampled=self.num_sampled,
-               draft_tokens=self.draft_tokens, all_slots=self.all_slots, project=project,
-               logits_itemsize=projected_logit_bytes(self.weight) if project else 0)
+               draft_tokens=self.draft_tokens, all_slots=self.all_slots, projection=projection)
+
+
+def vllm_compute_logits(weight: torch.Tensor, compile: bool):
+    """DiffusionGemma's ``compute_logits`` as vLLM runs it: the head in bf16, then ``.float()``
+    and the softcap compiled into one kernel (``vllm_paths.compute_logits``)."""
+    project = vllm_paths.compute_logits(weight, SOFTCAP, compile)
+    return lambda hidden: project(hidden)
+
+
+def peaked_hidden(weight: torch.Tensor, rows: int, gen: torch.Generator) -> torch.Tensor:
+    """Hidden states each on one head row: ``h = 40 W_t / |W_t|^2`` plus a little noise, so the
+    target's logit is ~40 (softcapped ~29) and the others ~N(0, 0.75): at T = 0.8 every token
+    but the target holds ~1e-10 of the mass together."""
+    targets = torch.randint(0, weight.shape[0], (rows,), generator=gen, device=weight.device)
+    w = weight[targets].float()
+    h = 40.0 * w / (w * w).sum(1, keepdim=True)
+    return (h + 0.01 * torch.randn(h.shape, generator=gen, device=h.device)).to(weight.dtype)
 
 
 def main(argv=None) -> int:
@@ -101,8 +122,12 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=262144 if cuda else 301)
     p.add_argument("--hidden", type=int, default=2816 if cuda else 16)
     p.add_argument("--reps", type=int, default=10 if cuda else 2)
-    p.add_argument("--hidden-tile-bytes", type=int, default=1 << 30,
-                   help="the runner's cap on one tile of projected logits")
+    p.add_argument("--vllm-kernels", default=None, metavar="FILE",
+                   help="vLLM's diffusion_gemma_sampler.py (tools/fetch_vllm_kernels.sh): time vLLM "
+                        "0.34's own device path in the same run")
+    p.add_argument("--peaked", action="store_true",
+                   help="also time every row peaked at the largest request count")
+    p.add_argument("--no-secondary", action="store_true", help="skip the secondary rows")
     p.add_argument("--out", default=None, help="JSON results elsewhere than the record "
                    "(default bench/results/runner-<card>.json)")
     args = p.parse_args(argv)
@@ -111,63 +136,139 @@ def main(argv=None) -> int:
     gen = torch.Generator(device=device).manual_seed(0)
     weight = (torch.randn(args.vocab, args.hidden, generator=gen, device=device)
               / args.hidden ** 0.5).to(torch.bfloat16)
-    project = compute_logits(weight)
+    kernels = vllm_paths.load_kernels(args.vllm_kernels) if args.vllm_kernels else None
     shape = dict(canvas=args.canvas, vocab=args.vocab, hidden=args.hidden, reps=args.reps,
-                 hidden_tile_bytes=args.hidden_tile_bytes)
+                 softcap=SOFTCAP)
     with record.Record("runner", args.out) as rec:
+        if kernels is not None:
+            rec.meta["vllm_kernels"] = {"file": args.vllm_kernels,
+                                        "origin": getattr(kernels, "origin", None)}
         results = []
-        for n in [int(x) for x in args.requests.split(",")]:
-            row = measure(n, args, weight, project, device, gen, warmup)
+        counts = [int(x) for x in args.requests.split(",")]
+        for n in counts:
+            row = measure(n, args, weight, kernels, device, gen, warmup)
+            if args.peaked and n == max(counts):
+                row.update(measure_peaked(n, args, weight, device, gen, warmup))
             results.append(row)
-            print_row(row, args)
-        rec.save({"shape": shape, "results": results}, {**shape, "rows": results})
+            print_row(row)
+            if cuda:
+                torch.cuda.empty_cache()
+        figures = [{k: v for k, v in r.items() if k.endswith(("_ms", "_vs_floor", "_vs_vllm",
+                                                               "_vs_adapter", "_vs_head"))}
+                   | {"requests": r["requests"]} for r in results]
+        rec.save({"shape": shape, "results": results}, {**shape, "rows": figures})
     return 0
 
 
-def measure(n, args, weight, project, device, gen, warmup) -> dict:
-    """One row of the table: both adapters' paths and their parts at ``n`` requests."""
+def _time(fn, args, warmup, cuda):
+    return device_timer(fn, warmup, args.reps, cuda)
+
+
+def measure(n, args, weight, kernels, device, gen, warmup) -> dict:
+    """One row of the table at ``n`` requests."""
     cuda = device == "cuda"
     rows = n * args.canvas
     hidden = torch.randn(rows, args.hidden, generator=gen, device=device).to(torch.bfloat16)
-    logits = project(hidden)
-    row = {"requests": n}
-    for name, rows_in, proj in (("v0.34", hidden, project), ("v0.33", logits, None)):
-        s = VllmStandIn(n, args.canvas, args.vocab, args.hidden, weight, device,
-                        args.hidden_tile_bytes)
+    row: dict = {"requests": n}
 
-        def step(s=s, rows_in=rows_in, proj=proj):
-            s.step(rows_in, proj)
+    gemms = vllm_paths.two_gemm_floor(hidden, weight, weight)
+    row["floor_head_ms"] = _time(gemms.head, args, warmup, cuda)
+    row["floor_soft_ms"] = _time(gemms.soft_embedding, args, warmup, cuda)
+    row["floor_ms"] = row["floor_head_ms"] + row["floor_soft_ms"]
+    del gemms
 
-        row[f"{name}_ms"] = device_timer(step, warmup, args.reps, cuda)
-        row[f"{name}_transient_bytes"] = transient_bytes(step, cuda)
-        row[f"{name}_tile_requests"] = s.runner.last_tile_requests
-    row["projection_ms"] = device_timer(lambda: project(hidden), warmup, args.reps, cuda)
-    cfg = ds.SamplerConfig(canvas_length=args.canvas, confidence_threshold=0.0,
-                           max_denoising_steps=1_000_000)
+    s = VllmStandIn(n, args.canvas, args.vocab, args.hidden, weight, device)
+    projection = s.head.projection()
+    adapter = lambda: s.step(hidden, projection)
+    row["adapter_ms"] = _time(adapter, args, warmup, cuda)
+    row["adapter_transient_bytes"] = transient_bytes(adapter, cuda)
+    row["adapter_tile_requests"] = s.runner.last_tile_requests
+    del s
+
+    cfg = never_converging(args.canvas)
     state = ds.DiffusionState(n, cfg, args.vocab, args.hidden, device)
-    for s in range(n):
-        state.add_request(s, seed=1000 + s)
+    for slot in range(n):
+        state.add_request(slot, seed=1000 + slot)
     sampler = ds.DiffusionSampler(cfg, state, weight, float(args.hidden) ** 0.5)
     sampler.prefill(list(range(n)))
-    row["sampler_ms"] = device_timer(lambda: sampler.step(logits, list(range(n))), warmup,
-                                     args.reps, cuda)
-    row["v0.34_vs_parts"] = row["v0.34_ms"] / (row["projection_ms"] + row["v0.33_ms"])
-    row["v0.33_vs_sampler"] = row["v0.33_ms"] / row["sampler_ms"]
+    slots = list(range(n))
+    row["native_ms"] = _time(lambda: sampler.step(None, slots, hidden_states=hidden,
+                                                  output_weight=weight), args, warmup, cuda)
+    del state
+
+    if kernels is not None:
+        if cuda:
+            torch.cuda.empty_cache()
+        step = vllm_paths.v034_step(hidden, weight, kernels, canvas=args.canvas)
+        row["vllm_ms"] = _time(step, args, warmup, cuda)
+        row["vllm_transient_bytes"] = transient_bytes(step, cuda)
+        row["vllm_tiles"] = list(step.tiles)
+        del step
+
+    if not args.no_secondary:
+        compute_logits = vllm_compute_logits(weight, cuda)
+        s = VllmStandIn(n, args.canvas, args.vocab, args.hidden, weight, device)
+        fallback = compute_logits_projection(compute_logits, weight)
+        row["adapter_compute_logits_ms"] = _time(lambda: s.step(hidden, fallback), args, warmup,
+                                                 cuda)
+        del s
+        row["compute_logits_ms"] = _time(lambda: compute_logits(hidden), args, warmup, cuda)
+        head = LmHead(weight, softcap=SOFTCAP, backend=resolve_backend("auto", torch.device(device)))
+        row["our_head_ms"] = _time(lambda: head.project(hidden), args, warmup, cuda)
+        logits = compute_logits(hidden)  # fp32, softcapped: vLLM 0.33's input
+        s = VllmStandIn(n, args.canvas, args.vocab, args.hidden, weight, device)
+        row["v0.33_ms"] = _time(lambda: s.step(logits), args, warmup, cuda)
+        del s, logits
+
+    row["adapter_vs_floor"] = row["adapter_ms"] / row["floor_ms"]
+    row["native_vs_adapter"] = row["native_ms"] / row["adapter_ms"]
+    if "vllm_ms" in row:
+        row["adapter_vs_vllm"] = row["adapter_ms"] / row["vllm_ms"]
+    if "our_head_ms" in row:
+        row["our_head_vs_floor_head"] = row["our_head_ms"] / row["floor_head_ms"]
     return row
 
 
-def print_row(row, args) -> None:
-    def gib(b):
-        return "-" if b is None else f"{b / GIB:.3f}"
+def measure_peaked(n, args, weight, device, gen, warmup) -> dict:
+    """Every row peaked (the support path skips the soft-embedding GEMM): the adapter step
+    against the head GEMM alone."""
+    cuda = device == "cuda"
+    hidden = peaked_hidden(weight, n * args.canvas, gen)
+    s = VllmStandIn(n, args.canvas, args.vocab, args.hidden, weight, device)
+    projection = s.head.projection()
+    out = {"peaked_adapter_ms": _time(lambda: s.step(hidden, projection), args, warmup, cuda)}
+    logits = torch.empty(hidden.shape[0], weight.shape[0], dtype=weight.dtype, device=device)
+    out["peaked_head_ms"] = _time(lambda: torch.mm(hidden, weight.t(), out=logits), args, warmup,
+                                  cuda)
+    out["peaked_adapter_vs_head"] = out["peaked_adapter_ms"] / out["peaked_head_ms"]
+    return out
 
-    one = args.canvas * args.vocab * 6 / GIB
-    print(f"{row['requests']:3d} requests | v0.34 {row['v0.34_ms']:8.2f} ms "
-          f"(tile {row['v0.34_tile_requests']}, transient {gib(row['v0.34_transient_bytes'])} GiB; "
-          f"one request's projection {one:.3f} GiB) | v0.33 {row['v0.33_ms']:8.2f} ms "
-          f"(transient {gib(row['v0.33_transient_bytes'])} GiB) | projection "
-          f"{row['projection_ms']:7.2f} ms | sampler {row['sampler_ms']:8.2f} ms | "
-          f"v0.34/(proj+v0.33) {row['v0.34_vs_parts']:.3f} (target <= 1.05) | "
-          f"v0.33/sampler {row['v0.33_vs_sampler']:.3f} (target <= 1.02)", flush=True)
+
+def print_row(row) -> None:
+    def gib(b):
+        return "-" if b is None else f"{b / GIB:.2f} GiB"
+
+    n = row["requests"]
+    floor_target, vllm_target = TARGETS.get(n, (None, None))
+    parts = [f"{n:3d} req | floor {row['floor_ms']:7.2f} ms (head {row['floor_head_ms']:.2f} + "
+             f"soft {row['floor_soft_ms']:.2f})",
+             f"adapter {row['adapter_ms']:7.2f} ms (tile {row['adapter_tile_requests']}, "
+             f"{gib(row['adapter_transient_bytes'])}) = {row['adapter_vs_floor']:.3f}x floor"
+             + (f" (target <= {floor_target})" if floor_target else ""),
+             f"native {row['native_ms']:7.2f} ms = {row['native_vs_adapter']:.3f}x adapter"]
+    if "vllm_ms" in row:
+        parts.append(f"vLLM 0.34 {row['vllm_ms']:7.2f} ms (tiles {row['vllm_tiles']}, "
+                     f"{gib(row['vllm_transient_bytes'])}): adapter {row['adapter_vs_vllm']:.3f}x"
+                     + (f" (target <= {vllm_target})" if vllm_target else ""))
+    if "adapter_compute_logits_ms" in row:
+        parts.append(f"via compute_logits {row['adapter_compute_logits_ms']:.2f} ms, "
+                     f"compute_logits {row['compute_logits_ms']:.2f} ms, our head "
+                     f"{row['our_head_ms']:.2f} ms ({row['our_head_vs_floor_head']:.3f}x cuBLAS), "
+                     f"from fp32 logits {row['v0.33_ms']:.2f} ms")
+    if "peaked_adapter_ms" in row:
+        parts.append(f"all peaked: adapter {row['peaked_adapter_ms']:.2f} ms = "
+                     f"{row['peaked_adapter_vs_head']:.3f}x head GEMM (target <= 1.3)")
+    print(" | ".join(parts), flush=True)
 
 
 if __name__ == "__main__":
