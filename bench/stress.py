@@ -43,8 +43,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import record  # noqa: E402
 
-import dgemma_sampler as ds  # noqa: E402
+import dgemma_sampler as ds
 from dgemma_sampler import reference  # noqa: E402
+from dgemma_sampler.head import LmHead  # noqa: E402
 
 GIB = 1024**3
 STATE_FIELDS = ("canvas", "argmax_canvas", "step", "is_encoder_phase", "confident",
@@ -120,10 +121,10 @@ def request_specs(n: int, canvas: int, vocab: int, filters: bool = True):
     return specs
 
 
-def make_sampler(cfg, n_slots, vocab, embed, device, budget=None, hidden_tile_bytes=1 << 30):
+def make_sampler(cfg, n_slots, vocab, embed, device, budget=None):
     state = ds.DiffusionState(n_slots, cfg, vocab, embed.shape[1], device)
     sampler = ds.DiffusionSampler(cfg, state, embed, float(embed.shape[1]) ** 0.5, backend="triton",
-                                  budget_bytes=budget, hidden_tile_bytes=hidden_tile_bytes)
+                                  budget_bytes=budget)
     return state, sampler
 
 
@@ -170,11 +171,10 @@ def run_tiling(args, device, cfg, embed, specs, hidden_steps, how, logits_buf=No
         starts.append(starts[-1] + v)
     info = {"run": how}
     if how == "tiled":
-        state, sampler = make_sampler(cfg, n, vocab, embed, device, budget=1, hidden_tile_bytes=1)
+        state, sampler = make_sampler(cfg, n, vocab, embed, device, budget=1)
         slot_of = list(range(n))
     elif how == "untiled":
-        state, sampler = make_sampler(cfg, n, vocab, embed, device, budget=1 << 60,
-                                      hidden_tile_bytes=1 << 60)
+        state, sampler = make_sampler(cfg, n, vocab, embed, device, budget=1 << 60)
         slot_of = list(range(n))
     else:
         extra = 3
@@ -199,10 +199,9 @@ def run_tiling(args, device, cfg, embed, specs, hidden_steps, how, logits_buf=No
                 rec.add(t, out, list(range(n)), specs, slot_of)
                 info["tile_requests"] = sampler.last_tile_requests
                 continue
-            # Logits input: project request by request (run 1's GEMM shape) into one buffer.
-            for j in range(n):
-                torch.matmul(hidden[starts[j]:starts[j + 1]], embed.t(),
-                             out=logits_buf[starts[j]:starts[j + 1]])
+            # Logits input: the same projection as the hidden-state runs' (batch-invariant), into
+            # one buffer.
+            logits_buf.copy_(LmHead(embed, backend="triton").project(hidden))
             if how == "logits":
                 groups = [list(range(n))]
             else:  # contiguous groups of requests (views of the buffer), called shuffled
@@ -256,12 +255,15 @@ def compare_runs(a, b) -> dict:
 
 
 def gemm_row_invariance(hidden, embed, rows=256, big=None) -> dict:
-    """Does ``h[:rows] @ E.T`` equal the first rows of ``h[:big] @ E.T`` bit for bit?"""
+    """Does ``h[:rows] @ E.T`` equal the first rows of ``h[:big] @ E.T`` bit for bit, through
+    cuBLAS and through our head GEMM (``kernels/head_gemm.py``)?"""
     big = min(big or 32 * rows, hidden.shape[0])
-    small = hidden[:rows] @ embed.t()
-    large = (hidden[:big] @ embed.t())[:rows]
-    n_diff = int((small != large).sum())
-    return {"rows": rows, "big_rows": big, "differing_logits": n_diff, "of": small.numel()}
+    head = LmHead(embed, backend="triton")
+    out = {"rows": rows, "big_rows": big, "of": rows * embed.shape[0]}
+    for name, project in (("cublas", lambda h: h @ embed.t()), ("head_gemm", head.project)):
+        small, large = project(hidden[:rows]), project(hidden[:big])[:rows]
+        out[f"differing_logits_{name}"] = int((small != large).sum())
+    return out
 
 
 def oracle_check(rec, specs, hidden, embed, device, requests) -> dict:
@@ -272,7 +274,7 @@ def oracle_check(rec, specs, hidden, embed, device, requests) -> dict:
         starts.append(starts[-1] + s["valid"])
     for j in requests:
         k = specs[j]["valid"]
-        logits = hidden[starts[j]:starts[j] + k] @ embed.t()  # the tiled run's GEMM shape
+        logits = LmHead(embed, backend="triton").project(hidden[starts[j]:starts[j] + k])
         r = rec.steps[(j, 0)]
         temperature = torch.tensor([CFG_T0], device=device)
         top_k = torch.tensor([specs[j]["top_k"]], device=device)
@@ -496,8 +498,9 @@ def summary(results) -> str:
             lines.append(f"   {name:<22} differences={c['differences'] or 'none'} "
                          f"sc_bit_identical={c['sc_bit_identical']} sc_max_rel={c['sc_max_rel_diff']:.1e}")
         g = a["gemm_row_invariance"]
-        lines.append(f"   projection GEMM rows {g['rows']} vs {g['big_rows']}: "
-                     f"{g['differing_logits']} of {g['of']} logits differ")
+        lines.append(f"   projection rows {g['rows']} vs {g['big_rows']}: logits that differ of "
+                     f"{g['of']}: cuBLAS {g['differing_logits_cublas']}, head GEMM "
+                     f"{g['differing_logits_head_gemm']}")
         o = a["oracle"]
         lines.append(f"   oracle on requests {o['requests']}: argmax mismatches {o['argmax_mismatch']}, "
                      f"sample {o['sample_mismatch']}, lse rel {o['lse_max_rel']:.1e}, "

@@ -87,27 +87,15 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from . import contract
+from . import soft_embedding_probabilities as prologue
 from .kept_rows import kept_first
-from .logit_row import exp2_ftz as _exp2
-from .logit_row import interpreting, softcapped
+from .logit_row import interpreting
 from .tile_schedule import tile_of_program
 
 MAX_SCRATCH_BYTES = 32 * 2**20  # split-K partials beyond the output: at most 32 MiB
 MIN_K_BLOCKS_PER_PIECE = 8  # a split-K piece shorter than this is all prologue and epilogue
 MAX_SPLIT = 16
 PIECE_OVERHEAD = 0.02  # cost of one extra split-K wave (fill, drain, stage 2), in whole-tile units
-
-
-@triton.jit
-def _rounded_as_fp32(p, dtype: tl.constexpr):
-    """Interpreter only: ``p`` rounded to ``dtype`` as the GPU rounds (nearest even), back in fp32.
-    The interpreter's own fp32 -> bf16 cast truncates, which would bias every probability down."""
-    if dtype == tl.bfloat16:
-        bits = p.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
-    else:
-        return p.to(dtype).to(tl.float32)
 
 
 @triton.jit
@@ -146,63 +134,6 @@ def _schedule(plan_ptr, kept_count_ptr, dp_head, tail_tiles, split, BLOCK_M: tl.
         return dp_head, tail_tiles, split
 
 
-LOG2E = tl.constexpr(1.4426950408889634)
-
-
-@triton.jit
-def _nan_to_zero(p):
-    """NaN -> 0 (maxnum with 0) on MMA operands: one ``max.bf16x2`` / ``max.f16x2`` per two
-    entries (Triton's own maximum would compute 16-bit types in fp32)."""
-    if p.dtype == tl.bfloat16:
-        return tl.inline_asm_elementwise("max.bf16x2 $0, $1, $2;", "=r,r,r", [p, tl.zeros_like(p)],
-                                         dtype=tl.bfloat16, is_pure=True, pack=2)
-    elif p.dtype == tl.float16:
-        return tl.inline_asm_elementwise("max.f16x2 $0, $1, $2;", "=r,r,r", [p, tl.zeros_like(p)],
-                                         dtype=tl.float16, is_pure=True, pack=2)
-    else:
-        return tl.maximum(p, 0.0)
-
-
-@triton.jit
-def _neg_lse2(lse):
-    """``-lse * log2(e)`` with the product rounded toward -inf, so that
-    ``fma(z, log2e, neg_lse2) >= 0`` whenever ``z >= lse``: a greedy row's arg-max entry
-    (``z == lse`` ~ 1e11) gets exactly ``p = 1`` after the clamp to 0 instead of a rounding error
-    of thousands of nats."""
-    lse2 = lse * LOG2E
-    residual = tl.fma(lse, LOG2E, -lse2)  # exact on the GPU (0 where fma is not fused)
-    bits = lse2.to(tl.int32, bitcast=True)
-    below = tl.where(lse2 > 0, bits - 1, bits + 1).to(tl.float32, bitcast=True)
-    return -tl.where(residual < 0, below, lse2)
-
-
-@triton.jit
-def _probabilities(x, inv_t, neg_lse2, threshold, allowed, SOFTCAP: tl.constexpr,
-                   HAS_THRESHOLD: tl.constexpr, HAS_ALLOWED: tl.constexpr, INTERPRET: tl.constexpr):
-    """``exp(z - lse)`` of a logits tile, clamped to ``p <= 1``; 0 where masked, NaN where the
-    logit is NaN (``_nan_to_zero`` zeroes those after the cast to the MMA dtype).
-
-    ``z = x * inv_t`` is the fp32 product the row-statistics pass computed; then in base 2
-    ``d2 = z * log2e + neg_lse2`` (FMUL + FFMA; z is rounded as in the statistics pass, which a
-    greedy row, ``inv_t = 1e10``, needs to get exactly ``E[argmax]``).
-    ``min.NaN(d2, 0)`` (NaN stays NaN) replaces the ``z <= FLT_MAX`` clamp: +inf logits give
-    ``p = 1``, as ``exp(FLT_MAX - lse)`` with ``lse = FLT_MAX``, and a greedy arg-max's rounding
-    residue ``d2 >= 0`` gives exactly 1. ``-inf`` logits and rows not computed (``neg_lse2 =
-    -inf``) give ``2^-inf = 0``. Only threshold / allowed need a select. Per entry on the GPU:
-    FMUL, FFMA, FMNMX, MUFU.EX2, half an F2FP and half an HMNMX2.
-    """
-    x = softcapped(x.to(tl.float32), SOFTCAP)
-    d2 = tl.fma(x * inv_t[:, None], LOG2E, neg_lse2[:, None])
-    if HAS_THRESHOLD:
-        d2 = tl.where(x >= threshold[:, None], d2, float("-inf"))
-    if HAS_ALLOWED:
-        d2 = tl.where(allowed, d2, float("-inf"))
-    if INTERPRET:  # NaN -> -inf here (maxnum), as the interpreter path has no _nan_to_zero
-        return _exp2(tl.minimum(tl.maximum(d2, float("-inf")), 0.0), INTERPRET)
-    else:
-        return _exp2(tl.minimum(d2, 0.0, propagate_nan=tl.PropagateNan.ALL), INTERPRET)
-
-
 @triton.jit
 def _k_step(acc, x_ptrs, e_ptrs, a_ptrs, offs_k, live, col_ok, inv_t, neg_lse2, threshold,
             v_local, stride_embed,
@@ -233,12 +164,12 @@ def _k_step(acc, x_ptrs, e_ptrs, a_ptrs, offs_k, live, col_ok, inv_t, neg_lse2, 
             allowed = tl.load(a_ptrs, mask=live[:, None], other=0) != 0
         else:
             allowed = tl.load(a_ptrs, mask=live[:, None] & (offs_k < v_local)[None, :], other=0) != 0
-    p = _probabilities(x, inv_t, neg_lse2, threshold, allowed, SOFTCAP, HAS_THRESHOLD,
+    p = prologue.probabilities(x, inv_t, neg_lse2, threshold, allowed, SOFTCAP, HAS_THRESHOLD,
                        HAS_ALLOWED, INTERPRET)
     if INTERPRET:  # the interpreter's bf16/fp16 tl.dot is wrong: multiply the rounded values in fp32
-        acc = tl.dot(_rounded_as_fp32(p, e.dtype), e.to(tl.float32), acc)
+        acc = tl.dot(prologue.rounded_as_fp32(p, e.dtype), e.to(tl.float32), acc)
     else:
-        acc = tl.dot(_nan_to_zero(p.to(e.dtype)), e, acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(prologue.nan_to_zero(p.to(e.dtype)), e, acc, input_precision=DOT_PRECISION)
     return acc, x_ptrs + BLOCK_K, e_ptrs + BLOCK_K * stride_embed, a_ptrs + BLOCK_K, offs_k + BLOCK_K
 
 
@@ -353,7 +284,7 @@ def soft_embedding_kernel(
     lse = tl.load(lse_ptr + row, mask=live, other=0.0)
     # Rows not computed (dropped, past the kept count, or with a non-finite lse) get
     # neg_lse2 = -inf, hence p = 2^-inf = 0; their logits are not even loaded (read as 0).
-    neg_lse2 = tl.where(live & (tl.abs(lse) < float("inf")), _neg_lse2(lse), float("-inf"))
+    neg_lse2 = tl.where(live & (tl.abs(lse) < float("inf")), prologue.neg_lse2(lse), float("-inf"))
     threshold = None
     if HAS_THRESHOLD:
         threshold = tl.load(threshold_ptr + row, mask=live, other=0.0)

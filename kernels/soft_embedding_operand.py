@@ -9,7 +9,7 @@ V_local)``::
     p[v] = exp(z[v] - lse),   z[v] = softcap(x[v]) * inv_t        (0 where masked)
 
 rounded to E's dtype, NaN -> 0: exactly the operand the fused GEMM's prologue makes in registers
-(``soft_embedding._probabilities``, the cast, ``_nan_to_zero``), written in place of ``x``. The
+(``soft_embedding_probabilities``), written in place of ``x``. The
 GEMM then reads it as a plain operand (``soft_embedding_wgmma``'s ``P_GIVEN``) and the result is
 the fused GEMM's bit for bit.
 
@@ -36,8 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import soft_embedding_probabilities as prologue
 from .logit_row import interpreting
-from .soft_embedding import _nan_to_zero, _neg_lse2, _probabilities, _rounded_as_fp32
 
 # Columns per program and per step of its loop. A program owns a contiguous chunk of one row.
 CHUNK = 16384
@@ -63,7 +63,7 @@ def operand_in_place_kernel(
     inv_t = tl.load(inv_t_ptr + request + tl.zeros([1], tl.int64))
     lse = tl.load(lse_ptr + row + tl.zeros([1], tl.int64))
     # rows whose lse is not finite (nothing kept) get p = 0, as in the fused prologue
-    neg_lse2 = tl.where(tl.abs(lse) < float("inf"), _neg_lse2(lse), float("-inf"))
+    neg_lse2 = tl.where(tl.abs(lse) < float("inf"), prologue.neg_lse2(lse), float("-inf"))
     threshold = None
     if HAS_THRESHOLD:
         threshold = tl.load(threshold_ptr + row + tl.zeros([1], tl.int64))
@@ -77,13 +77,13 @@ def operand_in_place_kernel(
         if HAS_ALLOWED:
             allowed = tl.load(allowed_ptr + request * stride_allowed + vocab_start + cols,
                               mask=inside, other=0)[None, :] != 0
-        p = _probabilities(x, inv_t, neg_lse2, threshold, allowed, SOFTCAP, HAS_THRESHOLD,
+        p = prologue.probabilities(x, inv_t, neg_lse2, threshold, allowed, SOFTCAP, HAS_THRESHOLD,
                            HAS_ALLOWED, INTERPRET)
         dtype = logits_ptr.dtype.element_ty
         if INTERPRET:  # round as the GPU does (the interpreter's cast truncates); NaN is -inf here
-            p = _rounded_as_fp32(p, dtype).to(dtype)
+            p = prologue.rounded_as_fp32(p, dtype).to(dtype)
         else:
-            p = _nan_to_zero(p.to(dtype))
+            p = prologue.nan_to_zero(p.to(dtype))
         tl.store(row_ptr + cols[None, :], p, mask=inside[None, :])
 
 

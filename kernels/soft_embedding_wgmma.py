@@ -132,7 +132,7 @@ def _load_operand(buf, a_layout: gl.constexpr):
 
 @gluon.jit
 def _neg_lse2(lse):
-    """``-lse * log2(e)`` rounded toward -inf (see ``soft_embedding._neg_lse2``)."""
+    """``-lse * log2(e)`` rounded toward -inf (see ``soft_embedding_probabilities.neg_lse2``)."""
     lse2 = lse * LOG2E
     residual = gl.fma(lse, LOG2E, -lse2)
     bits = lse2.to(gl.int32, bitcast=True)
