@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .checks import is_int, is_real
 from .kernels.contract import check_tail_eps
 
 
@@ -41,16 +42,32 @@ class SamplerConfig:
     tail_eps: float = 2.0**-10
 
     def __post_init__(self) -> None:
+        """Check every field (``checks.py``: a wrong type is a TypeError, a wrong value a
+        ValueError, both naming the field). numpy scalars are accepted and stored as the
+        Python int / float of the same value, so that equal configurations compare equal."""
+
         def need(ok: bool, field: str, expected: str) -> None:
             if not ok:
                 value = getattr(self, field)
                 raise ValueError(f"SamplerConfig.{field} must be {expected}, got {value!r}")
 
-        def finite(v: object) -> bool:
-            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        def typed(field: str, ok, kind: type) -> None:
+            value = getattr(self, field)
+            if not ok(value):
+                what = "an int" if kind is int else "a real number"
+                raise TypeError(f"SamplerConfig.{field} must be {what}, got {type(value).__name__} {value!r}")
+            if type(value) not in (int, float):  # numpy scalars: the same value, as Python's
+                object.__setattr__(self, field, kind(value))
 
-        def count(v: object) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
+        for field in ("t_min", "t_max", "entropy_bound", "confidence_threshold", "tail_eps"):
+            typed(field, is_real, float)
+        for field in ("stability_threshold", "max_denoising_steps", "canvas_length"):
+            typed(field, is_int, int)
+        if self.softcap is not None:
+            typed("softcap", is_real, float)
+
+        def finite(v: float) -> bool:
+            return math.isfinite(v)
 
         need(finite(self.t_min) and self.t_min >= 0, "t_min", "a finite float >= 0")
         need(finite(self.t_max) and self.t_max >= 0, "t_max", "a finite float >= 0")
@@ -64,11 +81,9 @@ class SamplerConfig:
             "confidence_threshold",
             "a finite float >= 0",
         )
-        need(count(self.stability_threshold) and self.stability_threshold >= 0,
-             "stability_threshold", "an int >= 0")
-        need(count(self.max_denoising_steps) and self.max_denoising_steps >= 1,
-             "max_denoising_steps", "an int >= 1")
-        need(count(self.canvas_length) and self.canvas_length >= 1, "canvas_length", "an int >= 1")
+        need(self.stability_threshold >= 0, "stability_threshold", "an int >= 0")
+        need(self.max_denoising_steps >= 1, "max_denoising_steps", "an int >= 1")
+        need(self.canvas_length >= 1, "canvas_length", "an int >= 1")
         need(self.softcap is None or (finite(self.softcap) and self.softcap > 0),
              "softcap", "None or a finite float > 0")
         try:
@@ -84,11 +99,17 @@ class SamplerConfig:
     def temperature(self, steps_done):
         """Schedule temperature after ``steps_done`` denoise steps (tensor or number).
 
-        ``t_min + (t_max - t_min) * max(N - n, 1) / N`` with N the global step count.
+        ``t_min + (t_max - t_min) * max(N - n, 1) / N`` with N the global step count. A number
+        must be a finite real >= 0 (not a bool); a tensor's values are not read (the step
+        calls this on the device).
         """
         n = float(self.max_denoising_steps)
-        if isinstance(steps_done, (int, float)):
+        if is_real(steps_done):
+            if not (math.isfinite(steps_done) and steps_done >= 0):
+                raise ValueError(f"steps_done must be a finite number >= 0, got {steps_done!r}")
             remaining = max(n - steps_done, 1.0)
+        elif not hasattr(steps_done, "float") or isinstance(steps_done, (bool, str)):
+            raise TypeError(f"steps_done must be a number or a tensor, got {type(steps_done).__name__}")
         else:
             remaining = (n - steps_done.float()).clamp(min=1.0)
         return self.t_min + (self.t_max - self.t_min) * (remaining / n)

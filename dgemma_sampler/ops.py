@@ -10,17 +10,20 @@ name the argument; the kernels below only assert. The environment's switches for
 
 from __future__ import annotations
 
-import numbers
+import math
 
 import torch
 
 from . import envs, reference, support
+from .checks import is_real, need_int
 from .kernels.contract import FLOAT_DTYPES, RowStats, check_tail_eps, cuda_capability  # noqa: F401 (re-exported)
 
 BACKENDS = ("auto", "triton", "torch")
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a str, one of {BACKENDS}, got {type(backend).__name__}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
@@ -68,30 +71,75 @@ def _check_logits(logits: torch.Tensor) -> None:
         raise ValueError("logits must be contiguous in the vocabulary dimension (stride(2) == 1)")
 
 
+def check_values(*checks: tuple[str, torch.Tensor]) -> None:
+    """ValueError with the message of the first ``(message, ok)`` whose 0-d bool tensor ``ok``
+    is False. All are read in one host synchronisation (public kernel-level calls only)."""
+    if not checks:
+        return
+    ok = torch.stack([c for _, c in checks]).tolist()
+    for (message, _), good in zip(checks, ok):
+        if not good:
+            raise ValueError(message)
+
+
+TEMPERATURE_MESSAGE = "temperature must be finite and >= 0 (0 = greedy)"
+
+
+def temperature_ok(temperature: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """The value check of a (type-checked) temperature tensor, for ``check_values``."""
+    return TEMPERATURE_MESSAGE, torch.isfinite(temperature).all() & (temperature >= 0).all()
+
+
 def _check_request_params(logits, temperature, seeds, draws, top_k, top_p, allowed) -> None:
     r, _, vocab = logits.shape
     dev = logits.device
     check_tensor("temperature", temperature, dim=1, dtypes=FLOAT_DTYPES, device=dev, shape=(r,))
     check_tensor("seeds", seeds, dim=1, dtypes=(torch.int64,), device=dev, shape=(r,))
     check_tensor("draws", draws, dim=1, dtypes=(torch.int64,), device=dev, shape=(r,))
-    if r and not bool(torch.isfinite(temperature).all() and (temperature >= 0).all()):
-        raise ValueError("temperature must be finite and >= 0 (0 = greedy)")
+    values = [temperature_ok(temperature)]
     if top_k is not None:
         check_tensor("top_k", top_k, dim=1, dtypes=(torch.int32, torch.int64), device=dev, shape=(r,))
-        if r and bool((top_k < 0).any()):
-            raise ValueError("top_k must be >= 0 (0 or >= vocab size disables it)")
+        values.append(("top_k must be >= 0 (0 or >= vocab size disables it)", (top_k >= 0).all()))
     if top_p is not None:
         check_tensor("top_p", top_p, dim=1, dtypes=FLOAT_DTYPES, device=dev, shape=(r,))
-        if r and not bool(((top_p > 0) & (top_p <= 1)).all()):
-            raise ValueError("top_p must be in (0, 1] (1 disables it)")
+        values.append(("top_p must be in (0, 1] (1 disables it)", ((top_p > 0) & (top_p <= 1)).all()))
     if allowed is not None:
         check_tensor("allowed", allowed, dim=2, dtypes=(torch.bool,), device=dev, shape=(r, vocab))
+    if r:
+        check_values(*values)
 
 
 def _check_softcap(softcap) -> None:
-    if softcap is not None and not (isinstance(softcap, numbers.Real) and not isinstance(softcap, bool)
-                                    and 0 < softcap < float("inf")):
+    if softcap is None:
+        return
+    if not is_real(softcap):
+        raise TypeError(
+            f"softcap must be None or a finite float > 0, got {type(softcap).__name__} {softcap!r}")
+    if not 0 < softcap < float("inf"):
         raise ValueError(f"softcap must be None or a finite float > 0, got {softcap!r}")
+
+
+def check_normalizer(normalizer, device: torch.device) -> tuple[str, torch.Tensor] | None:
+    """Type, shape and device of the soft embedding's ``normalizer``: a finite real number, or a
+    1-element floating tensor on ``device``. A number's value is checked here; a tensor's value
+    check is returned for ``check_values`` (reading it is a host synchronisation, so callers
+    read it once: per public kernel-level call, or once when a sampler is built)."""
+    if isinstance(normalizer, torch.Tensor):
+        if normalizer.numel() != 1:
+            raise ValueError(f"normalizer must be a scalar, got shape {tuple(normalizer.shape)}")
+        if not normalizer.dtype.is_floating_point:
+            raise TypeError(
+                f"normalizer must be a float or a 1-element floating tensor, got {normalizer.dtype}")
+        if not same_device(normalizer.device, device):
+            raise ValueError(
+                f"normalizer must be on {device} (where the logits are), got {normalizer.device}")
+        return "normalizer must be finite", torch.isfinite(normalizer).all()
+    if not is_real(normalizer):
+        raise TypeError(
+            f"normalizer must be a float or a 1-element tensor, got {type(normalizer).__name__}")
+    if not math.isfinite(normalizer):
+        raise ValueError(f"normalizer must be finite, got {normalizer!r}")
+    return None
 
 
 def _contiguous_mask(allowed: torch.Tensor | None) -> torch.Tensor | None:
@@ -157,7 +205,7 @@ def row_stats(
     r, w, vocab = logits.shape
     flat, request, position = _flat_rows(logits)
     kwargs = dict(softcap=softcap, top_k=top_k, top_p=top_p, allowed=_contiguous_mask(allowed),
-                  sample_block=sample_block)
+                  sample_block=int(sample_block))
     if resolve_backend(backend, logits.device) == "triton":
         from .kernels.row_stats import row_stats_rows as run
     else:
@@ -206,8 +254,7 @@ def soft_embedding(
     if not embed_weight.is_contiguous():
         raise ValueError("embed_weight must be contiguous")
     v_local, hidden = embed_weight.shape
-    if isinstance(vocab_start, bool) or not isinstance(vocab_start, int):
-        raise TypeError(f"vocab_start must be an int, got {type(vocab_start).__name__}")
+    vocab_start = need_int("vocab_start", vocab_start)
     if not (0 <= vocab_start and vocab_start + v_local <= vocab):
         raise ValueError(
             f"embed_weight rows [vocab_start={vocab_start}, +{v_local}) must lie inside the "
@@ -219,11 +266,7 @@ def soft_embedding(
         check_tensor("threshold", threshold, dtypes=(torch.float32,), device=dev, shape=(r, w))
     if allowed is not None:
         check_tensor("allowed", allowed, dim=2, dtypes=(torch.bool,), device=dev, shape=(r, vocab))
-    if isinstance(normalizer, torch.Tensor):
-        if normalizer.numel() != 1:
-            raise ValueError(f"normalizer must be a scalar, got shape {tuple(normalizer.shape)}")
-    elif isinstance(normalizer, bool) or not isinstance(normalizer, (int, float)):
-        raise TypeError(f"normalizer must be a float or a 1-element tensor, got {type(normalizer).__name__}")
+    normalizer_ok = check_normalizer(normalizer, dev)
     _check_softcap(softcap)
     check_tail_eps(tail_eps)
     if argmax is not None:
@@ -234,6 +277,10 @@ def soft_embedding(
         check_tensor("out", out, dtypes=(torch.float32,), device=dev, shape=(r, w, hidden))
         if out.stride(2) != 1 or out.stride(0) != w * out.stride(1):
             raise ValueError("out must be contiguous in its last dimension with rows of one stride")
+    if r:  # the values, in one host synchronisation (as row_stats reads its temperature)
+        check_values(temperature_ok(temperature), *([normalizer_ok] if normalizer_ok else []))
+    elif normalizer_ok:
+        check_values(normalizer_ok)
     flat, request, _ = _flat_rows(logits)
     out_flat = None if out is None else out.view(r * w, hidden)
     kwargs = dict(

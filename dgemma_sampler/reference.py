@@ -60,6 +60,7 @@ import math
 import torch
 
 from . import keyed_noise
+from .checks import is_int
 from .kernels.contract import SAMPLE_BLOCK, RowStats, inverse_temperature  # noqa: F401 (re-exported)
 from .keyed_noise import Stream
 
@@ -211,8 +212,10 @@ def row_stats_rows(
 
 
 def check_sample_block(sample_block: int) -> None:
-    if not (isinstance(sample_block, int) and sample_block >= 16
-            and sample_block & (sample_block - 1) == 0):
+    if not is_int(sample_block):
+        raise TypeError(f"sample_block must be an int, a power of two >= 16, got "
+                        f"{type(sample_block).__name__} {sample_block!r}")
+    if not (sample_block >= 16 and sample_block & (sample_block - 1) == 0):
         raise ValueError(f"sample_block must be a power of two >= 16, got {sample_block!r}")
 
 

@@ -16,9 +16,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from .checks import id_list, int_range, is_int, need_flag, need_int, need_real
 from .config import SamplerConfig
 from .head import LmHead
-from .ops import FLOAT_DTYPES, check_tensor, resolve_backend
+from .ops import FLOAT_DTYPES, check_normalizer, check_tensor, check_values, resolve_backend
 from .runner import LogprobRequest, LogprobRows, StepRunner
 from .state import DiffusionState, to_device_int64
 from .step import StepOutput
@@ -47,6 +48,78 @@ class _StateOptions:
         return any(s in self.state.pinned_slots for s in slots)
 
 
+def _check_construction(cfg, state, embed_weight, normalizer, vocab_start, sc_reduce,
+                        memory_fraction, budget_bytes, graph_update) -> None:
+    """``DiffusionSampler``'s arguments, each checked against the others (``checks.py``). A
+    tensor normalizer's value is read here, once (a host synchronisation at construction)."""
+    if not isinstance(cfg, SamplerConfig):
+        raise TypeError(f"cfg must be a SamplerConfig, got {type(cfg).__name__}")
+    if not isinstance(state, DiffusionState):
+        raise TypeError(f"state must be a DiffusionState, got {type(state).__name__}")
+    if cfg != state.cfg:
+        raise ValueError(f"cfg must be the state's configuration (state.cfg), got {cfg} for a state "
+                         f"built with {state.cfg}")
+    check_tensor("embed_weight", embed_weight, dim=2, dtypes=FLOAT_DTYPES, device=state.device)
+    if embed_weight.shape[1] != state.hidden_size:
+        raise ValueError(
+            f"embed_weight must have hidden size {state.hidden_size} (the state's), "
+            f"got shape {tuple(embed_weight.shape)}"
+        )
+    vocab_start = need_int("vocab_start", vocab_start)
+    if not (0 <= vocab_start and vocab_start + embed_weight.shape[0] <= state.vocab_size):
+        raise ValueError(
+            f"embed_weight rows [vocab_start={vocab_start}, +{embed_weight.shape[0]}) must lie inside "
+            f"the state's vocabulary of {state.vocab_size}"
+        )
+    normalizer_ok = check_normalizer(normalizer, state.device)
+    if normalizer_ok is not None:
+        check_values(normalizer_ok)
+    if sc_reduce is not None and not callable(sc_reduce):
+        raise TypeError(f"sc_reduce must be None or callable, got {type(sc_reduce).__name__}")
+    if not 0.0 < need_real("memory_fraction", memory_fraction) <= 1.0:
+        raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction!r}")
+    if budget_bytes is not None:
+        int_range("budget_bytes", budget_bytes, 1)
+    if graph_update is not None:
+        need_flag("graph_update", graph_update)
+
+
+def _check_step(state: DiffusionState, slots, valid_len, logits, hidden_states, output_weight,
+                logprobs, logprob_token_ids, column_tokens) -> list[int]:
+    """The host-side checks of a step's arguments (no device reads): the slots as Python ints,
+    each holding a prefilled request; ``valid_len`` ints in [1, the slot's canvas width]; the
+    logprob requests naming slots of this step; the optional tensors' types and devices."""
+    slots = state.check_slots(slots, prefilled=True)
+    if valid_len is not None:
+        valid = id_list("valid_len", valid_len)
+        widths = state.canvas_width_np[slots]
+        if len(valid) != len(slots) or any(not 1 <= v <= w for v, w in zip(valid, widths)):
+            raise ValueError(
+                "valid_len must hold one length per slot, each in [1, that slot's canvas width]")
+    if output_weight is not None and hidden_states is None:
+        raise ValueError("output_weight goes with hidden_states (logits are not projected)")
+    in_step = set(slots)
+    for name, requests in (("logprobs", logprobs), ("logprob_token_ids", logprob_token_ids)):
+        if requests is None:
+            continue
+        if not isinstance(requests, dict):
+            raise TypeError(f"{name} must be a dict from slot to request, got {type(requests).__name__}")
+        for slot, want in requests.items():
+            if not is_int(slot) or slot not in in_step:
+                raise ValueError(f"{name} names slot {slot!r}, which is not among this step's slots")
+            if name == "logprobs":
+                int_range(f"logprobs[{slot}]", want, 0, state.vocab_size + 1)
+            elif any(not 0 <= t < state.vocab_size for t in id_list(f"logprob_token_ids[{slot}]", want)):
+                raise ValueError(f"logprob_token_ids[{slot}] must be ids in [0, {state.vocab_size})")
+    if column_tokens is not None:
+        check_tensor("column_tokens", column_tokens, dim=1, dtypes=(torch.int64,), device=state.device)
+        if isinstance(logits, torch.Tensor) and logits.shape[-1] != column_tokens.shape[0]:
+            raise ValueError(
+                f"logits must have one column per entry of column_tokens ({column_tokens.shape[0]}), "
+                f"got shape {tuple(logits.shape)}")
+    return slots
+
+
 class DiffusionSampler:
     """One whole decode step of DiffusionGemma's entropy-bound sampler.
 
@@ -69,6 +142,12 @@ class DiffusionSampler:
         from CUDA graphs once a batch shape repeats (``update_graph.py``), and the whole step of
         a batch of one or two requests (``step_graph.py``); default: on CUDA, unless
         ``DGEMMA_GRAPH_UPDATE=0``.
+
+    Every argument is checked on construction and every method's arguments on each call, on
+    the host (``checks.py``: TypeError / ValueError naming the argument, nothing converted):
+    ``cfg`` must be ``state.cfg``, ``embed_weight`` must fit the state's vocabulary and hidden
+    size, a tensor ``normalizer`` is a finite 1-element floating tensor on the state's device
+    (read once, here). A step takes only prefilled requests.
     """
 
     def __init__(
@@ -86,14 +165,9 @@ class DiffusionSampler:
         budget_bytes: int | None = None,
         graph_update: bool | None = None,
     ) -> None:
-        if not isinstance(cfg, SamplerConfig):
-            raise TypeError(f"cfg must be a SamplerConfig, got {type(cfg).__name__}")
-        check_tensor("embed_weight", embed_weight, dim=2, dtypes=FLOAT_DTYPES, device=state.device)
-        if embed_weight.shape[1] != state.hidden_size:
-            raise ValueError(
-                f"embed_weight must have hidden size {state.hidden_size} (the state's), "
-                f"got shape {tuple(embed_weight.shape)}"
-            )
+        _check_construction(cfg, state, embed_weight, normalizer, vocab_start, sc_reduce,
+                            memory_fraction, budget_bytes, graph_update)
+        vocab_start = int(vocab_start)
         self.cfg = cfg
         self.state = state
         self.embed_weight = embed_weight.contiguous()
@@ -121,17 +195,19 @@ class DiffusionSampler:
         return self.runner.last_tile_requests
 
     def temperature_of(self, slots: torch.Tensor) -> torch.Tensor:
+        """The schedule temperature of ``slots`` (an int tensor on the state's device)."""
+        check_tensor("slots", slots, dim=1, dtypes=(torch.int32, torch.int64), device=self.state.device)
         return self.runner.temperature_of(slots)
 
     def tile_requests(self, width: int, vocab: int, logits_itemsize: int) -> int:
         """Requests per tile: ``budget // bytes_per_request``, the budget re-read now."""
-        return self.runner.tile_requests(width, vocab, logits_itemsize)
+        width, vocab = int_range("width", width, 1), int_range("vocab", vocab, 1)
+        return self.runner.tile_requests(width, vocab, int_range("logits_itemsize", logits_itemsize, 0))
 
     def prefill(self, slots: Sequence[int]) -> None:
-        """Requests whose prompt is done: draw their first canvas and start denoising."""
-        for s in slots:
-            self.state.check_slot(s)
-        self.state.finish_prefill(list(slots))
+        """Requests whose prompt is done: draw their first canvas and start denoising. Each
+        slot must hold a request that was not prefilled yet (``DiffusionState.check_slots``)."""
+        self.state.finish_prefill(slots)
 
     # ---------------------------------------------------------------- the step
     def step(
@@ -159,15 +235,8 @@ class DiffusionSampler:
         logprobs on the step they emit (``StepOutput.logprobs``), as vLLM stashes them.
         """
         state = self.state
-        slots = [int(s) for s in slots]
-        slot_set = set(slots)
-        if not slot_set <= state.active:  # (active slots are valid slots)
-            for s in slots:
-                state.check_slot(s)
-                if s not in state.active:
-                    raise ValueError(f"slot {s} holds no request (add_request first)")
-        if len(slot_set) != len(slots):
-            raise ValueError("slots must not repeat")
+        slots = _check_step(state, slots, valid_len, logits, hidden_states, output_weight,
+                            logprobs, logprob_token_ids, column_tokens)
         n = len(slots)
         widths = state.canvas_width_np[slots].astype(np.int64)
         if valid_len is None:
@@ -248,7 +317,7 @@ class DiffusionSampler:
         batch keeps its shape. Logprobs are not part of the captured step.
         """
         state = self.state
-        slots = [int(s) for s in slots]
+        slots = _check_step(state, slots, valid_len, None, None, None, None, None, None)
         widths = state.canvas_width_np[slots].astype(np.int64)
         valid = widths.copy() if valid_len is None else np.asarray(valid_len, dtype=np.int64)
         starts = np.concatenate(([0], np.cumsum(valid)[:-1])).astype(np.int64)

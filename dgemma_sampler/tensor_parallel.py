@@ -50,6 +50,11 @@ the normalizer, which is linear) and one fp32 ``all_reduce`` sums them.
 top-k / top-p / allowed-token sets are not supported under tensor parallelism (their
 thresholds would need a distributed selection); vLLM itself refuses constrained reads
 with tensor parallelism. They raise ``NotImplementedError``.
+
+The public functions check their arguments as ``ops`` does (``checks.py``: TypeError /
+ValueError naming the argument, before any work or collective), except
+``row_stats_rows_sharded``: it is the decode step's statistics function, called with
+arguments the step built, and stays unchecked.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ import torch
 import torch.distributed as dist
 
 from . import ops, reference, support
+from .checks import int_range, need_int
 from .reference import FLT_MAX, RowStats
 
 # Columns of the packed per-row partials (int32; fp32 values travel as their bit patterns,
@@ -83,9 +89,11 @@ def vocab_slice(vocab_size: int, rank: int, world_size: int,
     multiple of 64 instead, which is a block boundary only for some vocabulary sizes; any
     block-aligned partition works with this module.)
     """
-    if not (0 <= rank < world_size):
-        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    vocab_size = int_range("vocab_size", vocab_size, 1)
+    world_size = int_range("world_size", world_size, 1)
+    rank = int_range("rank", rank, 0, world_size)
     reference.check_sample_block(sample_block)
+    sample_block = int(sample_block)
     blocks = -(-vocab_size // sample_block)
     base, extra = divmod(blocks, world_size)
     first = rank * base + min(rank, extra)
@@ -103,6 +111,8 @@ def world_size_of(group=None) -> int:
 
 
 def _check_slice(v_local: int, vocab_start: int, vocab_size: int, world: int) -> None:
+    need_int("vocab_start", vocab_start)
+    need_int("vocab_size", vocab_size)
     if not (0 < vocab_size < 2**31):
         raise ValueError(f"vocab_size must be in [1, 2^31), got {vocab_size}")
     if not (0 <= vocab_start and vocab_start + v_local <= vocab_size):
@@ -141,10 +151,24 @@ def local_row_partials(
     Returns the packed partials and the local ``RowStats`` (flat rows, global ids; None for
     an empty slice). An empty slice packs as an all-masked one (lse = -inf).
     """
+    _check_local(local_logits, temperature, seeds, draws, softcap)
+    vocab_start = int_range("vocab_start", vocab_start, 0)
+    ops.resolve_backend(backend, local_logits.device)
+    reference.check_sample_block(sample_block)
     flat, request, position = ops._flat_rows(local_logits)
     return _local_partials_rows(flat, request, position, temperature, seeds, draws,
                                 vocab_start=vocab_start, softcap=softcap, backend=backend,
-                                sample_block=sample_block)
+                                sample_block=int(sample_block))
+
+
+def _check_local(local_logits, temperature, seeds, draws, softcap) -> None:
+    """A rank's ``[R, W, V_local]`` logits slice (``V_local`` may be 0) and its request
+    parameters, as ``ops.row_stats`` checks the whole logits."""
+    ops.check_tensor("local_logits", local_logits, dim=3, dtypes=ops.FLOAT_DTYPES)
+    if local_logits.numel() and local_logits.stride(2) != 1:
+        raise ValueError("local_logits must be contiguous in the vocabulary dimension")
+    ops._check_request_params(local_logits, temperature, seeds, draws, None, None, None)
+    ops._check_softcap(softcap)
 
 
 def _local_partials_rows(flat, request, position, temperature, seeds, draws, *, vocab_start,
@@ -280,9 +304,14 @@ def merge_row_partials(gathered: torch.Tensor, greedy: torch.Tensor) -> RowStats
     ``gathered`` ``[world, N, NUM_FIELDS]`` int32 (any rank order), ``greedy`` ``[N]`` bool
     (T == 0). Returns flat ``[N]`` RowStats (threshold -inf: no top-k / top-p under TP).
     """
+    ops.check_tensor("gathered", gathered, dim=3, dtypes=(torch.int32,))
     world, n, fields = gathered.shape
     if fields != NUM_FIELDS:
         raise ValueError(f"gathered partials must have {NUM_FIELDS} fields, got {fields}")
+    if world < 1:
+        raise ValueError("gathered must hold the partials of at least one rank, got shape "
+                         f"{tuple(gathered.shape)}")
+    ops.check_tensor("greedy", greedy, dtypes=(torch.bool,), device=gathered.device, shape=(n,))
     neg_inf = float("-inf")
     lse_r = _bits_f32(gathered[..., LSE])
     # NaN lse (degenerate input) stays "kept" so it propagates as it would on one GPU.
@@ -383,20 +412,18 @@ def row_stats_sharded(
     entropy and ulp-level near-ties between ranks).
     """
     _reject_constraints(top_k=top_k, top_p=top_p, allowed=allowed)
-    ops.check_tensor("local_logits", local_logits, dim=3, dtypes=ops.FLOAT_DTYPES)
+    _check_local(local_logits, temperature, seeds, draws, softcap)
     r, w, v_local = local_logits.shape
-    if local_logits.numel() and local_logits.stride(2) != 1:
-        raise ValueError("local_logits must be contiguous in the vocabulary dimension")
-    ops._check_request_params(local_logits, temperature, seeds, draws, None, None, None)
-    if softcap is not None and not (softcap > 0 and softcap != float("inf")):
-        raise ValueError(f"softcap must be None or a finite float > 0, got {softcap!r}")
     world = world_size_of(group)
     _check_slice(v_local, vocab_start, vocab_size, world)
+    vocab_start = int(vocab_start)
+    ops.resolve_backend(backend, local_logits.device)
+    reference.check_sample_block(sample_block)
 
     flat, request, position = ops._flat_rows(local_logits)
     packed, local = _local_partials_rows(flat, request, position, temperature, seeds, draws,
                                          vocab_start=vocab_start, softcap=softcap, backend=backend,
-                                         sample_block=sample_block)
+                                         sample_block=int(sample_block))
     return _merge_ranks(packed, local, temperature, request, world, group).view(r, w)
 
 
@@ -438,10 +465,25 @@ def soft_embedding_sharded(
             f"{v_local} vocabulary columns; both must be this rank's slice"
         )
     hidden = local_embed_weight.shape[1]
+    ops.check_tensor("global_lse", global_lse, dtypes=(torch.float32,), device=local_logits.device,
+                     shape=(r, w))
+    ops.check_tail_eps(tail_eps)
     world = world_size_of(group)
     if v_local == 0:
-        ops.check_tensor("global_lse", global_lse, dtypes=(torch.float32,),
-                         device=local_logits.device, shape=(r, w))
+        # ops.soft_embedding checks the other branch's arguments; an empty slice checks its own
+        # here, so that every rank refuses the same call before the collective.
+        dev = local_logits.device
+        ops.check_tensor("temperature", temperature, dim=1, dtypes=ops.FLOAT_DTYPES, device=dev,
+                         shape=(r,))
+        if keep is not None:
+            ops.check_tensor("keep", keep, dtypes=(torch.bool,), device=dev, shape=(r, w))
+        ops._check_softcap(softcap)
+        normalizer_ok = ops.check_normalizer(normalizer, dev)
+        ops.resolve_backend(backend, dev)
+        if r:
+            ops.check_values(ops.temperature_ok(temperature), *([normalizer_ok] if normalizer_ok else []))
+        elif normalizer_ok:
+            ops.check_values(normalizer_ok)
         if out is None:
             out = torch.zeros(r, w, hidden, dtype=torch.float32, device=local_logits.device)
         else:

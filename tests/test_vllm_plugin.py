@@ -16,6 +16,7 @@ import sys
 import textwrap
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -268,6 +269,44 @@ def test_seed_accepted_only_seed_lifted(vllm_untouched):
     # Autoregressive models never ran this check.
     verify(SamplingParams(seed=7), SimpleNamespace(**{**vars(diffusion_gemma_config()),
                                                       "is_diffusion": False}))
+
+
+BAD_SEEDS = [
+    (True, TypeError, "must be None or an int, got bool"),
+    (1.5, TypeError, "must be None or an int, got float"),
+    ("7", TypeError, "must be None or an int, got str"),
+    (2**63, ValueError, r"must be in \[-2\^63, 2\^63\)"),
+    (-(2**63) - 1, ValueError, r"must be in \[-2\^63, 2\^63\)"),
+]
+
+
+@pytest.mark.parametrize("seed, exc, match", BAD_SEEDS)
+def test_bad_seed_refused_at_admission_and_by_the_adapter(vllm_untouched, seed, exc, match):
+    """The seed is the one request parameter the plugin adds. vLLM would store it in an int64
+    array as it is (True as 1, 1.5 as 1, "7" as 7) and fail in the engine past 2^63: the
+    plugin refuses it at admission (a 400 on the server) and the adapter before any state
+    changes (a request built without admission)."""
+    assert seeds.accept_seed(plugin.ARCHITECTURE)
+    with pytest.raises(VLLMValidationError, match="SamplingParams.seed " + match):
+        verify(SamplingParams(seed=seed))
+    h = vh.make_vllm_sampler(max_num_reqs=2, canvas_length=CL, vocab_size=V, hidden=H,
+                             sampler_cls=fused_sampler_class())
+    h.add_request(0, seed=11)
+    before = h.sampler.sampling_states.seeds.np.copy(), h.states.seeds.clone()
+    with pytest.raises(exc, match="SamplingParams.seed " + match):
+        h.sampler.add_request(0, SamplingParams(seed=seed))
+    assert (h.sampler.sampling_states.seeds.np == before[0]).all()
+    assert torch.equal(h.states.seeds, before[1])
+
+
+@pytest.mark.parametrize("seed", [2**63 - 1, -(2**63), 0, np.int64(5)])
+def test_good_seed_accepted_at_admission_and_by_the_adapter(vllm_untouched, seed):
+    assert seeds.accept_seed(plugin.ARCHITECTURE)
+    verify(SamplingParams(seed=seed))
+    h = vh.make_vllm_sampler(max_num_reqs=2, canvas_length=CL, vocab_size=V, hidden=H,
+                             sampler_cls=fused_sampler_class())
+    h.add_request(1, seed=seed)
+    assert h.states.seeds[1].item() == int(seed)
 
 
 def _logits(request: int, step: int) -> torch.Tensor:

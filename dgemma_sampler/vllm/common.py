@@ -36,6 +36,7 @@ from ..keyed_noise import Stream, random_tokens
 from ..ops import resolve_backend
 from ..runner import LogprobRequest, LogprobRows, StepRunner
 from .device import VllmRequestOptions, decode
+from .seeds import check_seed
 
 # A child of vLLM's "vllm" logger, whose handler shows it (and whose level gates it).
 logger = init_logger("vllm.dgemma_sampler")
@@ -84,6 +85,21 @@ class FusedSampler:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, req_idx: int, sampling_params: Any) -> None:
+        """vLLM's request setup, plus the keys of the keyed noise.
+
+        The one parameter the adapter adds, ``SamplingParams.seed``, is checked here, before
+        anything changes (``seeds.check_seed``; the plugin also refuses a bad seed at
+        admission). The ``diffusion_*`` keys of ``extra_args`` are vLLM's and read by vLLM's
+        own ``add_request``, unchanged: vLLM checks them at admission
+        (``vllm.utils.diffusion.validate_diffusion_sampling_params``: types, canvas width,
+        seed-canvas length and ids, pin positions, a positive step cap, read-only and
+        constrained as a bool or 0/1) and then converts with ``int()`` and truthiness. What it
+        still accepts silently we accept too: a ``diffusion_max_steps`` above the server's
+        step count is lowered to it, ``diffusion_read_only`` / ``diffusion_constrained`` may be
+        0 / 1, and a request object built without admission (``add_request`` called directly)
+        is converted rather than refused.
+        """
+        check_seed(getattr(sampling_params, "seed", None))
         super().add_request(req_idx, sampling_params)
         states = self.diffusion_states
         states.seeds[req_idx] = int(self.sampling_states.seeds.np[req_idx])

@@ -7,6 +7,11 @@ seed and its own draw counter, so a seed reproduces a generation whatever the ba
 ``accept_seed`` wraps that validation so that, for DiffusionGemma only, the seed is left out of
 the check; every other parameter it rejects (temperature, min_p, min_tokens, logit_bias,
 bad_words, allowed_token_ids) is still rejected, by vLLM's own code and message.
+
+The seed is a parameter vLLM never checks (it stores ``SamplingParams.seed`` in an int64 array,
+which turns ``True`` into 1, ``1.5`` into 1 and ``"7"`` into 7, and fails deep in the engine on
+a seed past 2^63), so the wrapper checks it (``check_seed``) and refuses anything but an int in
+``[-2^63, 2^63)`` with vLLM's own validation error, a 400 on the server.
 """
 
 from __future__ import annotations
@@ -14,10 +19,26 @@ from __future__ import annotations
 import copy
 import functools
 
+from ..checks import is_int
+
+SEED_RANGE = (-(2**63), 2**63)  # vLLM keeps request seeds in an int64 array
+
+
+def check_seed(seed: object) -> None:
+    """TypeError / ValueError naming ``SamplingParams.seed`` unless it is None or an int (a Python
+    or numpy integer, not a bool) in ``[-2^63, 2^63)``; vLLM itself turns -1 into None."""
+    if seed is None:
+        return
+    if not is_int(seed):
+        raise TypeError(f"SamplingParams.seed must be None or an int, got {type(seed).__name__} {seed!r}")
+    if not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
+        raise ValueError(f"SamplingParams.seed must be in [-2^63, 2^63), got {seed!r}")
+
 
 def accept_seed(architecture: str) -> bool:
     """Wrap ``SamplingParams._validate_diffusion`` (idempotent) so that models of
     ``architecture`` keep the seed; False where vLLM has no such check to wrap."""
+    from vllm.exceptions import VLLMValidationError
     from vllm.sampling_params import SamplingParams
 
     validate = getattr(SamplingParams, "_validate_diffusion", None)
@@ -30,6 +51,10 @@ def accept_seed(architecture: str) -> bool:
     def validate_without_seed(self, model_config):
         if self.seed is None or architecture not in (getattr(model_config, "architectures", None) or ()):
             return validate(self, model_config)
+        try:
+            check_seed(self.seed)
+        except (TypeError, ValueError) as exc:
+            raise VLLMValidationError(str(exc), parameter="seed", value=self.seed) from None
         # vLLM's check on a copy whose seed is unset: its verdict on everything else, unchanged.
         unseeded = copy.copy(self)
         unseeded.seed = None
