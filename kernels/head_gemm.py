@@ -142,10 +142,11 @@ def head_gemm_kernel(
 
 
 def padded_columns(vocab: int, itemsize: int) -> int:
-    """Row length of an output buffer of ``vocab`` logits: a multiple of 16 bytes, so that its rows
-    stay TMA-addressable (here and in the kernels that read them)."""
-    per_16 = 16 // itemsize
-    return -(-vocab // per_16) * per_16
+    """Row length of an output buffer of ``vocab`` logits: a multiple of 16 elements (at least
+    16 bytes), so that its rows stay TMA-addressable here and in the kernels that read them, and
+    the row stride is one Triton specializes as divisible by 16 (the Hopper GEMM's ``cp.async``
+    row gather needs that proof to copy 16-byte vectors)."""
+    return -(-vocab // 16) * 16
 
 
 def empty_logits(rows: int, vocab: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

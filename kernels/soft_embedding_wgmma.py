@@ -545,6 +545,10 @@ def supported(logits: torch.Tensor, embed_weight: torch.Tensor, vocab_start: int
     for t in (local, embed_weight):
         if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
             return False
+    # The row gather copies 16-byte vectors by cp.async: Triton must see the row stride as a
+    # multiple of 16 elements (it specializes integer arguments by that divisibility).
+    if logits.stride(0) % 16:
+        return False
     return hidden % 8 == 0 and v_local > 0 and logits.shape[0] > 0
 
 

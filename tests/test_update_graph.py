@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import dgemma_sampler as ds
+from dgemma_sampler import step_graph
 
 FIELDS = ("canvas", "argmax_canvas", "accepted_canvas_history", "accepted_canvas_history_len",
           "step", "draws", "is_encoder_phase", "confident", "self_conditioning_embeds")
@@ -34,7 +35,9 @@ def test_graph_update_is_off_and_refused_without_cuda():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("valid", [None, (64, 40, 64, 17)])
-def test_graph_update_matches_the_eager_update_gpu(valid):
+def test_graph_update_matches_the_eager_update_gpu(valid, monkeypatch):
+    # (these batches would replay their whole step, test_step_graph.py: here the parts)
+    monkeypatch.setattr(step_graph, "MAX_GRAPH_BYTES", 0)
     device, vocab, hidden = "cuda", 4099, 96
     gen = torch.Generator(device=device).manual_seed(3)
     embed = torch.randn(vocab, hidden, device=device, generator=gen).to(torch.bfloat16)
@@ -64,9 +67,16 @@ def test_graph_update_matches_the_eager_update_gpu(valid):
 
 
 @pytest.mark.gpu
-def test_step_captured_by_the_caller_after_the_update_graph_gpu():
+def test_step_captured_by_the_caller_after_the_update_graph_gpu(monkeypatch):
     """A caller that captures ``step`` in a graph of its own after the plan's parts were
-    captured gets the parts' operators in that graph (not a replay of ours inside it)."""
+    captured gets the parts' operators in that graph (not a replay of ours inside it); so
+    with the whole step graphed (``step_graph.py``)."""
+    for whole in (False, True):
+        monkeypatch.setattr(step_graph, "MAX_GRAPH_BYTES", 1 << 28 if whole else 0)
+        _captured_by_the_caller(whole)
+
+
+def _captured_by_the_caller(whole: bool) -> None:
     device, vocab, hidden = "cuda", 4099, 96
     gen = torch.Generator(device=device).manual_seed(4)
     embed = torch.randn(vocab, hidden, device=device, generator=gen).to(torch.bfloat16)
@@ -81,7 +91,11 @@ def test_step_captured_by_the_caller_after_the_update_graph_gpu():
             graphed.step(logits, slots, valid_len=valid)
             eager.step(logits, slots, valid_len=valid)
     torch.cuda.current_stream().wait_stream(stream)
-    assert all(p.update_graph.graph is not None for p in graphed.runner.plans.values())
+    plans = list(graphed.runner.plans.values())
+    if whole:
+        assert all(p.step_graph is not None and p.step_graph.graph is not None for p in plans)
+    else:
+        assert all(p.update_graph.graph is not None for p in plans)
     user = torch.cuda.CUDAGraph()
     with torch.cuda.graph(user):
         captured = graphed.step(logits, slots, valid_len=valid)
