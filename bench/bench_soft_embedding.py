@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import record  # noqa: E402
 
 from dgemma_sampler import reference  # noqa: E402
-from dgemma_sampler.kernels import soft_embedding as se  # noqa: E402
+from dgemma_sampler.kernels import soft_embedding_dispatch as se  # noqa: E402
 
 CANVAS = 256
 

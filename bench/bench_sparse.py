@@ -39,6 +39,7 @@ from bench_step import device_timer, make_sampler, measure_floor  # noqa: E402
 
 import dgemma_sampler as ds  # noqa: E402
 from dgemma_sampler import support as sp  # noqa: E402
+from dgemma_sampler.backend import kernels  # noqa: E402
 
 PATH_NAMES = ("not_kept", "top1", "support", "stats_dense", "support_dense")
 
@@ -50,7 +51,7 @@ def support_sizes(logits, ks, temperature, eps):
     t = torch.full((1,), temperature, device=logits.device)
     st = ds.row_stats(logits.view(1, rows, vocab), t, torch.zeros(1, dtype=torch.int64, device=logits.device),
                       torch.zeros(1, dtype=torch.int64, device=logits.device))
-    find = sp.tail_functions(ds.ops.resolve_backend("auto", logits.device))[0]
+    find = kernels(ds.ops.resolve_backend("auto", logits.device)).support_rows
     res = sp.decide_support(find, logits, torch.zeros(rows, dtype=torch.int64, device=logits.device),
                             t, st.lse.reshape(-1), tail_eps=eps)
     count, sparse = res.count.cpu().float(), res.sparse().cpu()
@@ -95,8 +96,9 @@ def bench_family(family, n, args, embed, backend, device, cuda, gen, floor):
                                   argmax=st.argmax, entropy=st.entropy), 2, args.reps, cuda)
     if cuda:
         # The Triton kernel in place of the Hopper one, for the dense rows and for all rows.
-        from dgemma_sampler.kernels.soft_embedding import soft_embedding_rows
-        find, _, gather = sp.tail_functions("triton")
+        from dgemma_sampler.kernels.soft_embedding_dispatch import soft_embedding_rows
+        triton = kernels("triton")
+        find, gather = triton.support_rows, triton.gather_rows
         triton_dense = functools.partial(soft_embedding_rows, wgmma=False)
         flat = logits
         flat_buf = buf.view(rows, args.hidden)

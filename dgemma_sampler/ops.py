@@ -15,6 +15,7 @@ import math
 import torch
 
 from . import envs, reference, support
+from .backend import kernels
 from .checks import is_real, need_int
 from .kernels.contract import FLOAT_DTYPES, RowStats, check_tail_eps, cuda_capability  # noqa: F401 (re-exported)
 
@@ -147,16 +148,6 @@ def _contiguous_mask(allowed: torch.Tensor | None) -> torch.Tensor | None:
     return None if allowed is None else allowed.contiguous()
 
 
-def triton_soft_embedding_rows(*args, **kwargs) -> torch.Tensor:
-    """``kernels.soft_embedding.soft_embedding_rows`` with the switches of the environment
-    (``envs``: the Hopper kernel, the tile-config check), read on every call."""
-    from .kernels.soft_embedding import soft_embedding_rows
-
-    kwargs.setdefault("wgmma", None if envs.soft_embedding_wgmma() else False)
-    kwargs.setdefault("tune", envs.soft_embedding_tune())
-    return soft_embedding_rows(*args, **kwargs)
-
-
 def _flat_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     r, w, vocab = logits.shape
     dev = logits.device
@@ -206,10 +197,7 @@ def row_stats(
     flat, request, position = _flat_rows(logits)
     kwargs = dict(softcap=softcap, top_k=top_k, top_p=top_p, allowed=_contiguous_mask(allowed),
                   sample_block=int(sample_block))
-    if resolve_backend(backend, logits.device) == "triton":
-        from .kernels.row_stats import row_stats_rows as run
-    else:
-        run = reference.row_stats_rows
+    run = kernels(resolve_backend(backend, logits.device)).row_stats_rows
     return run(flat, request, position, temperature, seeds, draws, **kwargs).view(r, w)
 
 
@@ -288,18 +276,13 @@ def soft_embedding(
         threshold=None if threshold is None else threshold.reshape(-1),
         allowed=_contiguous_mask(allowed), vocab_start=vocab_start, softcap=softcap, out=out_flat,
     )
+    chosen = kernels(resolve_backend(backend, dev))
     if tail_eps > 0:
-        triton = resolve_backend(backend, dev) == "triton"
-        fns = support.tail_functions_for(
-            triton_soft_embedding_rows if triton else reference.soft_embedding_rows)
         res, _ = support.soft_embedding_tail(
-            *fns, flat, request, temperature, lse.reshape(-1), embed_weight, normalizer,
+            chosen, flat, request, temperature, lse.reshape(-1), embed_weight, normalizer,
             tail_eps=tail_eps, argmax=None if argmax is None else argmax.reshape(-1),
             entropy=None if entropy is None else entropy.reshape(-1), **kwargs)
         return res.view(r, w, hidden)
-    if resolve_backend(backend, dev) == "triton":
-        run = triton_soft_embedding_rows
-    else:
-        run = reference.soft_embedding_rows
-    res = run(flat, request, temperature, lse.reshape(-1), embed_weight, normalizer, **kwargs)
+    res = chosen.soft_embedding_rows(flat, request, temperature, lse.reshape(-1), embed_weight,
+                                     normalizer, **kwargs)
     return res.view(r, w, hidden)

@@ -50,11 +50,20 @@ import numpy as np
 import torch
 
 from . import envs, reference, support, tensor_parallel
+from .backend import Kernels, kernels
 from .config import SamplerConfig
 from .head import Projection
 from .reference import RowStats
 from .state import to_device_int64
-from .step import StepLayout, StepOutput, decode_step, step_layout
+from .step import (
+    RowMasks,
+    SelfConditioning,
+    StepBatch,
+    StepLayout,
+    StepOutput,
+    decode_step,
+    step_layout,
+)
 from .step_graph import StepGraph, graphable_bytes
 from .update_graph import UpdateGraph
 
@@ -78,22 +87,6 @@ def memory_budget(device: torch.device, fraction: float) -> int:
 def bytes_per_request(width: int, vocab: int, logits_itemsize: int = 0) -> int:
     """Transient bytes one request adds to a tile (``logits_itemsize`` > 0: projected logits)."""
     return width * (STAT_BYTES + vocab * logits_itemsize)
-
-
-def _stats_with(stats_fn: Callable[..., RowStats], **fixed: Any) -> Callable[..., RowStats]:
-    """``stats_fn`` with keyword arguments fixed (those a call also passes are overridden)."""
-    return lambda *a, **k: stats_fn(*a, **{**k, **fixed})
-
-
-def backend_functions(backend: str):
-    """The flat-row (stats, soft embedding, logprobs) functions of a resolved backend."""
-    if backend == "triton":
-        from .kernels.logprobs import token_logprobs_rows
-        from .kernels.row_stats import row_stats_rows
-        from .ops import triton_soft_embedding_rows
-
-        return row_stats_rows, triton_soft_embedding_rows, token_logprobs_rows
-    return reference.row_stats_rows, reference.soft_embedding_rows, reference.token_logprobs_rows
 
 
 class RequestOptions(Protocol):
@@ -151,6 +144,10 @@ class TilePlan:
     layout: StepLayout
     update_graph: UpdateGraph | None = None
     step_graph: StepGraph | None = None
+
+    @property
+    def batch(self) -> StepBatch:
+        return StepBatch(self.slots_t, self.row_starts, self.valid, self.width, self.W, self.layout)
 
 
 class StepRunner:
@@ -223,7 +220,10 @@ class StepRunner:
         # Whole-step graphs share one memory pool: one step runs at a time, and a replay's
         # outputs are copied out before anything else runs (``step_graph.py``).
         self.graph_pool = torch.cuda.graph_pool_handle() if self.graph_update else None
-        self.stats_fn, self.soft_fn, self.logprobs_fn = backend_functions(backend)
+        self.kernels = kernels(backend)
+        self.stats_fn, self.soft_fn, self.logprobs_fn = (
+            self.kernels.row_stats_rows, self.kernels.soft_embedding_rows,
+            self.kernels.token_logprobs_rows)
         if cfg.tail_eps > 0 and embed_weight is not None:
             # The support pass's bin weights, built here: the first step may run inside a CUDA
             # graph capture, where a host-to-device copy is not allowed.
@@ -297,14 +297,14 @@ class StepRunner:
             # memory per chunk of rows (``_torch_chunk_rows``): one tile.
             tile = n
         self.last_tile_requests = min(tile, n)
-        stats_fn = self.stats_fn
+        step_kernels = self.kernels
         if self.backend == "torch":
-            chunk = self._torch_chunk_rows(vocab)
-            stats_fn = _stats_with(reference.row_stats_rows, chunk_rows=chunk)
+            step_kernels = step_kernels.with_row_stats(reference.row_stats_rows,
+                                                       chunk_rows=self._torch_chunk_rows(vocab))
         if column_tokens is not None:
             # Constrained reads hold only K << V columns: the oracle is cheap there and keys
             # the noise by token id through ``column_tokens``.
-            stats_fn = reference.row_stats_rows
+            step_kernels = step_kernels.with_row_stats(reference.row_stats_rows)
 
         outputs: list[StepOutput] = []
         for t0 in range(0, n, tile):
@@ -319,8 +319,8 @@ class StepRunner:
                 outputs.append(graph.run(rows))
                 continue
             tile_logits = projection.project(rows, valid[t0:t1]) if hidden_input else rows
-            out = self.run_tile(plan, tile_logits, stats_fn=stats_fn, projection=projection,
-                                column_tokens=column_tokens)
+            out = self.run_tile(plan, tile_logits, step_kernels=step_kernels,
+                                projection=projection, column_tokens=column_tokens)
             if logprobs is not None:
                 self._stash_logprobs(out, plan, tile_logits, starts[t0:t1] - r0, valid[t0:t1],
                                      None if projection is None else projection.softcap, logprobs)
@@ -386,15 +386,13 @@ class StepRunner:
         return plan
 
     def run_tile(self, plan: TilePlan, tile_logits: torch.Tensor, *,
-                 stats_fn: Callable[..., RowStats] | None = None,
+                 step_kernels: Kernels | None = None,
                  projection: Projection | None = None,
                  column_tokens: torch.Tensor | None = None) -> StepOutput:
         """``decode_step`` over one planned tile (no host work, no host synchronisation).
-        ``projection``: the tile's logits are a projection's, the step's own (None: a caller's
-        logits, read only)."""
-        if stats_fn is None:
-            stats_fn = self.stats_fn
-        softcap = None if projection is None else projection.softcap
+        ``step_kernels``: the step's kernels (default the backend's); ``projection``: the
+        tile's logits are a projection's, the step's own (None: a caller's logits, read only)."""
+        step_kernels = step_kernels or self.kernels
         local = projection is not None and projection.vocab_start is not None
         vocab_start = self.vocab_start if column_tokens is None else 0
         unmasked = (column_tokens is None and plan.allowed is None and plan.top_k is None
@@ -407,9 +405,9 @@ class StepRunner:
                 raise ValueError(
                     f"the head slice [{projection.vocab_start}, +{tile_logits.shape[1]}) must be "
                     f"the embedding's [{self.vocab_start}, +{self.embed_weight.shape[0]})")
-            stats_fn = _stats_with(tensor_parallel.row_stats_rows_local,
-                                   vocab_start=projection.vocab_start, group=self.tp_group,
-                                   backend=self.backend)
+            step_kernels = step_kernels.with_row_stats(
+                tensor_parallel.row_stats_rows_local, vocab_start=projection.vocab_start,
+                group=self.tp_group, backend=self.backend)
             vocab_start = 0
         elif self.tp_world > 1 and unmasked:
             # Every rank holds the gathered logits: each streams only its own vocabulary
@@ -418,25 +416,23 @@ class StepRunner:
 
             start, end = tensor_parallel.vocab_slice(
                 self.vocab_size, dist.get_rank(self.tp_group), self.tp_world)
-            stats_fn = _stats_with(tensor_parallel.row_stats_rows_sharded, vocab_start=start,
-                                   vocab_end=end, group=self.tp_group, backend=self.backend)
-        return decode_step(
-            self.state, tile_logits, plan.slots_t, plan.row_starts, plan.valid, plan.width, plan.W,
-            confidence_threshold=self.cfg.confidence_threshold,
-            entropy_bound=self.cfg.entropy_bound,
-            temperature_of=self.temperature_of,
-            stats_fn=stats_fn, soft_fn=self.soft_fn,
-            # The soft embedding's one call site (``decode_step``'s step 7) takes these.
-            embed_weight=self._embed_for(column_tokens), normalizer=self.normalizer,
-            vocab_size=self.vocab_size, softcap=softcap,
-            top_k=plan.top_k, top_p=plan.top_p, allowed=plan.allowed,
-            column_tokens=column_tokens, vocab_start=vocab_start,
-            row_vocab=self.vocab_size if local else None,
-            sc_reduce=self.sc_reduce,
-            layout=plan.layout, noise_backend=self.backend,
-            update_runner=plan.update_graph, tail_eps=self.cfg.tail_eps,
-            logits_scratch=projection is not None,
-        )
+            step_kernels = step_kernels.with_row_stats(
+                tensor_parallel.row_stats_rows_sharded, vocab_start=start, vocab_end=end,
+                group=self.tp_group, backend=self.backend)
+        soft = None
+        if self.embed_weight is not None:
+            soft = SelfConditioning(
+                embed_weight=self._embed_for(column_tokens), normalizer=self.normalizer,
+                vocab_start=vocab_start, reduce=self.sc_reduce,
+                row_vocab=self.vocab_size if local else None,
+                logits_scratch=projection is not None)
+        masks = RowMasks(softcap=None if projection is None else projection.softcap,
+                         top_k=plan.top_k, top_p=plan.top_p, allowed=plan.allowed,
+                         column_tokens=column_tokens)
+        return decode_step(self.state, tile_logits, plan.batch, cfg=self.cfg,
+                           vocab_size=self.vocab_size, kernels=step_kernels,
+                           temperature_of=self.temperature_of, masks=masks, soft=soft,
+                           update_runner=plan.update_graph)
 
     def _embed_for(self, column_tokens: torch.Tensor | None) -> torch.Tensor:
         if column_tokens is None:

@@ -29,13 +29,18 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from . import envs, reference, support
+from .kernels.contract import PHANTOM_ENTROPY, PHANTOM_TOKEN, ROW_STATS
 from .keyed_noise import Stream, random_tokens
 from .reference import RowStats
+
+if TYPE_CHECKING:
+    from .backend import Kernels
+    from .config import SamplerConfig
 
 NOISE_STREAMS = (Stream.RENOISE, Stream.CANVAS)
 
@@ -147,32 +152,24 @@ def _stats_padded(
     stats: RowStats, request: torch.Tensor, position: torch.Tensor, n: int, width: int,
     phantom_entropy: float, phantom_argmax: int | torch.Tensor,
 ) -> RowStats:
-    """Scatter flat-row statistics into ``[n, width]``, phantom positions filled in.
+    """Scatter flat-row statistics into ``[n, width]``, phantom positions filled in as
+    ``contract.ROW_STATS`` says.
 
     ``phantom_argmax`` may be a 0-d device tensor (the first allowed id of a constrained
     read), so that filling it in needs no host read.
     """
     dev = request.device
-
-    def full(value, dtype):
-        return torch.full((n, width), value, dtype=dtype, device=dev)
-
-    if isinstance(phantom_argmax, torch.Tensor):
-        phantom = phantom_argmax.to(torch.int64).expand(n, width)
-        argmax, sample = phantom.clone(), phantom.clone()
-    else:
-        argmax, sample = full(phantom_argmax, torch.int64), full(phantom_argmax, torch.int64)
-    out = RowStats(
-        argmax=argmax,
-        sample=sample,
-        entropy=full(phantom_entropy, torch.float32),
-        lse=full(float("nan"), torch.float32),
-        threshold=full(float("-inf"), torch.float32),
-        has_nan=full(False, torch.bool),
-    )
-    for dst, src in zip(out.as_tuple(), stats.as_tuple()):
+    padded = []
+    for stat, src in zip(ROW_STATS, stats.as_tuple()):
+        fill = stat.phantom
+        if fill == PHANTOM_TOKEN and isinstance(phantom_argmax, torch.Tensor):
+            dst = phantom_argmax.to(stat.dtype).expand(n, width).clone()
+        else:
+            value = {PHANTOM_TOKEN: phantom_argmax, PHANTOM_ENTROPY: phantom_entropy}.get(fill, fill)
+            dst = torch.full((n, width), value, dtype=stat.dtype, device=dev)
         dst[request, position] = src.to(dst.dtype)
-    return out
+        padded.append(dst)
+    return RowStats(*padded)
 
 
 def use_triton_noise(device: torch.device, noise_backend: str = "auto") -> bool:
@@ -311,120 +308,146 @@ def denoise_update(
     return sampled, num_sampled, sc_keep, just_converged, pinned
 
 
+@dataclass(frozen=True)
+class StepBatch:
+    """The decoding requests of a step and where their rows are (device tensors; module
+    docstring, "Layout"): ``slots`` [n], ``row_starts`` / ``valid_len`` / ``width`` [n] int64, the
+    output width ``W``, and the batch's ``StepLayout`` where the caller keeps one (None: built)."""
+
+    slots: torch.Tensor
+    row_starts: torch.Tensor
+    valid_len: torch.Tensor
+    width: torch.Tensor
+    W: int
+    layout: StepLayout | None = None
+
+
+@dataclass(frozen=True)
+class RowMasks:
+    """What the statistics and the soft embedding apply to every logit: the final ``softcap``
+    (None: the logits carry it), per-request ``top_k`` / ``top_p`` ([n] or None), per-request
+    ``allowed`` masks ([n, V] bool or None), and ``column_tokens`` (the token of each column
+    when the logits hold one shared allowed set's K columns only)."""
+
+    softcap: float | None = None
+    top_k: torch.Tensor | None = None
+    top_p: torch.Tensor | None = None
+    allowed: torch.Tensor | None = None
+    column_tokens: torch.Tensor | None = None
+
+
+NO_MASKS = RowMasks()
+
+
+@dataclass(frozen=True)
+class SelfConditioning:
+    """Where a step's soft embedding comes from: ``embed_weight`` ``[V_local, H]`` (this rank's
+    vocabulary slice, logits columns ``[vocab_start, vocab_start + V_local)``), the
+    ``normalizer``, ``reduce`` (in-place all-reduce of the partial sums across tensor-parallel
+    ranks), ``row_vocab`` (the vocabulary a row stands for when the logits hold this rank's
+    slice only: its phantom rows' entropy and the slice's share of ``tail_eps``; None: the
+    logits' columns) and ``logits_scratch`` (the step owns the logits: the soft embedding may
+    overwrite the rows it multiplies, ``kernels/soft_embedding_operand.py``)."""
+
+    embed_weight: torch.Tensor
+    normalizer: torch.Tensor | float = 1.0
+    vocab_start: int = 0
+    reduce: Callable[[torch.Tensor], None] | None = None
+    row_vocab: int | None = None
+    logits_scratch: bool = False
+
+
 def decode_step(
     state,
     logits: torch.Tensor,
-    slots: torch.Tensor,
-    row_starts: torch.Tensor,
-    valid_len: torch.Tensor,
-    width: torch.Tensor,
-    W: int,
+    batch: StepBatch,
     *,
-    confidence_threshold: float,
-    entropy_bound: float,
-    temperature_of: Callable[[torch.Tensor], torch.Tensor],
-    stats_fn: Callable[..., RowStats],
-    soft_fn: Callable[..., torch.Tensor] | None,
-    embed_weight: torch.Tensor | None,
-    normalizer: torch.Tensor | float = 1.0,
+    cfg: SamplerConfig,
     vocab_size: int,
-    softcap: float | None = None,
-    top_k: torch.Tensor | None = None,
-    top_p: torch.Tensor | None = None,
-    allowed: torch.Tensor | None = None,
-    column_tokens: torch.Tensor | None = None,
-    vocab_start: int = 0,
-    sc_reduce: Callable[[torch.Tensor], None] | None = None,
-    layout: StepLayout | None = None,
-    noise_backend: str = "auto",
+    kernels: Kernels,
+    temperature_of: Callable[[torch.Tensor], torch.Tensor],
+    masks: RowMasks = NO_MASKS,
+    soft: SelfConditioning | None = None,
     update_runner: UpdateRunner | None = None,
-    tail_eps: float = 0.0,
-    row_vocab: int | None = None,
-    logits_scratch: bool = False,
 ) -> StepOutput:
-    """Run one decode step for the requests in ``slots`` (device tensors, no host sync).
+    """Run one decode step for the requests of ``batch`` (device tensors, no host sync).
 
-    ``stats_fn`` / ``soft_fn`` are the flat-row functions of a backend
-    (``reference.row_stats_rows`` / ``soft_embedding_rows`` or their Triton twins).
-    ``top_k`` / ``top_p`` are per-request ([n]) or None; ``allowed`` is ``[n, V]`` bool or
-    None; ``column_tokens`` names the token of each logits column when the logits hold an
-    allowed subset only. ``sc_reduce`` all-reduces the soft embedding across
-    tensor-parallel ranks (in place) when the embedding is a vocabulary slice.
-    ``layout`` is the batch's ``step_layout`` when the caller keeps one (built here
-    otherwise); ``noise_backend`` picks the random-canvas implementation (``use_triton_noise``).
-    ``update_runner`` (an ``UpdateRunner``: ``update_graph.UpdateGraph``) runs the step's
-    logits-free parts for the caller, from CUDA graphs: ``prologue(fn, device)`` the
-    per-request gathers, ``update_runner(update, flat)`` the state update
-    (``update_after_stats``) and ``detach(out)`` hands the output over; by default they are
-    called directly.
-    ``tail_eps``: the soft embedding's tail tolerance (``support.py``); a vocabulary slice of
-    ``embed_weight`` gets the share ``tail_eps * V_local / V``, so the all-reduced sum keeps it.
-    ``row_vocab``: the vocabulary a row stands for when ``logits`` hold this rank's slice of it
-    only (its phantom rows' entropy and the slice's share of ``tail_eps``); None: the logits'
-    columns. ``logits_scratch``: the step owns ``logits`` and the soft embedding may overwrite
-    the rows it multiplies (``kernels/soft_embedding_operand.py``).
+    ``cfg`` gives the acceptance bound, the confidence threshold and the soft embedding's tail
+    tolerance (``tail_eps``, ``support.py``; a vocabulary slice of the embedding gets the share
+    ``tail_eps * V_local / V``, so the all-reduced sum keeps it); ``vocab_size`` the vocabulary
+    random tokens come from. ``kernels`` are the backend's flat-row operations
+    (``backend.Kernels``). ``soft`` None: no soft embedding. ``update_runner`` (an
+    ``UpdateRunner``: ``update_graph.UpdateGraph``) runs the step's logits-free parts for the
+    caller, from CUDA graphs: ``prologue(fn, device)`` the per-request gathers,
+    ``update_runner(update, flat)`` the state update (``update_after_stats``) and
+    ``detach(out)`` hands the output over; by default they are called directly.
     """
+    slots, W = batch.slots, batch.W
     n_rows, cols = logits.shape
-    if row_vocab is not None:
-        cols = row_vocab
+    if soft is not None and soft.row_vocab is not None:
+        cols = soft.row_vocab
+    layout = batch.layout
     if layout is None:
-        layout = step_layout(state, slots, row_starts, valid_len, width, W, n_rows)
+        layout = step_layout(state, slots, batch.row_starts, batch.valid_len, batch.width, W,
+                             n_rows)
     request = layout.request
-    soft = soft_fn is not None and embed_weight is not None
+    column_tokens = masks.column_tokens
 
     def prologue():
         # (the soft embedding's inverse temperature: its kernels' three calls share it)
         temperature = temperature_of(slots)
-        inv_t = reference.inverse_temperature(temperature) if soft else None
+        inv_t = reference.inverse_temperature(temperature) if soft is not None else None
         return temperature, inv_t, state.seeds[slots], state.draws[slots]
 
     if update_runner is None:
         temperature, inv_t, seeds, draws = prologue()
     else:
         temperature, inv_t, seeds, draws = update_runner.prologue(prologue, slots.device)
-    kwargs = dict(softcap=softcap, top_k=top_k, top_p=top_p, allowed=allowed)
+    kwargs = dict(softcap=masks.softcap, top_k=masks.top_k, top_p=masks.top_p,
+                  allowed=masks.allowed)
     if column_tokens is not None:
         kwargs["column_tokens"] = column_tokens
-    flat = stats_fn(logits, request, layout.position, temperature, seeds, draws, **kwargs)
+    flat = kernels.row_stats_rows(logits, request, layout.position, temperature, seeds, draws,
+                                  **kwargs)
     phantom_argmax = 0 if column_tokens is None else column_tokens[0]
 
     def update(flat_stats: RowStats, gather: bool = False) -> tuple[StepOutput, torch.Tensor | None]:
         # ``gather``: read seeds and draws from the state here (a captured update must not
         # hold on to this step's gathered copies).
         return update_after_stats(
-            state, flat_stats, slots, valid_len, width, W, layout=layout,
-            confidence_threshold=confidence_threshold, entropy_bound=entropy_bound,
-            vocab_size=vocab_size, phantom_entropy=math.log(cols), phantom_argmax=phantom_argmax,
+            state, flat_stats, batch, layout, cfg=cfg, vocab_size=vocab_size,
+            phantom_entropy=math.log(cols), phantom_argmax=phantom_argmax,
             seeds=None if gather else seeds, draws=None if gather else draws,
-            noise_backend=noise_backend, soft=soft)
+            noise_backend=kernels.name, soft=soft is not None)
 
     out, keep = update(flat) if update_runner is None else update_runner(update, flat)
 
     # 7. Self-conditioning: written straight into the slot-indexed state rows (cleared by
     # the update).
     sc_path_rows = None
-    if soft:
+    if soft is not None:
         sc = state.self_conditioning_embeds
         sc_rows = sc.view(-1, sc.shape[-1])
         # Without top-k / top-p every threshold is -inf: pass none (the Hopper kernel then
         # skips a compare and a select per probability).
-        threshold = flat.threshold if (top_k is not None or top_p is not None) else None
-        soft_args = (logits, request, temperature, flat.lse, embed_weight, normalizer)
-        soft_kwargs = dict(keep=keep, threshold=threshold, allowed=allowed, vocab_start=vocab_start,
-                           softcap=softcap, out=sc_rows, out_index=layout.sc_index, inv_t=inv_t,
-                           logits_scratch=logits_scratch)
-        slice_eps = support.slice_tail_eps(tail_eps, embed_weight.shape[0] / cols)
+        threshold = flat.threshold if (masks.top_k is not None or masks.top_p is not None) else None
+        soft_args = (logits, request, temperature, flat.lse, soft.embed_weight, soft.normalizer)
+        soft_kwargs = dict(keep=keep, threshold=threshold, allowed=masks.allowed,
+                           vocab_start=soft.vocab_start, softcap=masks.softcap, out=sc_rows,
+                           out_index=layout.sc_index, inv_t=inv_t,
+                           logits_scratch=soft.logits_scratch)
+        slice_eps = support.slice_tail_eps(cfg.tail_eps, soft.embed_weight.shape[0] / cols)
         if slice_eps > 0:
             _, rows_support = support.soft_embedding_tail(
-                *support.tail_functions_for(soft_fn), *soft_args, **soft_kwargs, tail_eps=slice_eps,
+                kernels, *soft_args, **soft_kwargs, tail_eps=slice_eps,
                 argmax=flat.argmax if column_tokens is None else None, entropy=flat.entropy)
             sc_path_rows = rows_support.path_rows()
         else:
-            soft_fn(*soft_args, **soft_kwargs)
-        if sc_reduce is not None:
+            kernels.soft_embedding_rows(*soft_args, **soft_kwargs)
+        if soft.reduce is not None:
             # Partial sums of a vocabulary slice: add the other ranks' (in fp32).
             part = sc[slots, :W]
-            sc_reduce(part)
+            soft.reduce(part)
             sc[slots, :W] = part
     # (After the GEMM's launch: what the caller keeps leaves the runner's memory last.)
     out = out if update_runner is None else update_runner.detach(out)
@@ -435,14 +458,10 @@ def decode_step(
 def update_after_stats(
     state,
     flat: RowStats,
-    slots: torch.Tensor,
-    valid_len: torch.Tensor,
-    width: torch.Tensor,
-    W: int,
-    *,
+    batch: StepBatch,
     layout: StepLayout,
-    confidence_threshold: float,
-    entropy_bound: float,
+    *,
+    cfg: SamplerConfig,
     vocab_size: int,
     phantom_entropy: float,
     phantom_argmax: int | torch.Tensor,
@@ -457,8 +476,9 @@ def update_after_stats(
     host values that change between steps of one batch shape), so a batch that keeps its
     shape can replay it from a CUDA graph (``update_graph.py``). Returns the step's output
     and ``keep`` (which rows get a soft embedding; None when ``soft`` is False), and clears
-    the self-conditioning rows of ``slots``.
+    the self-conditioning rows of ``batch.slots``.
     """
+    slots, valid_len, width, W = batch.slots, batch.valid_len, batch.width, batch.W
     n = slots.numel()
     request, position = layout.request, layout.position
     if layout.dense:
@@ -469,7 +489,7 @@ def update_after_stats(
 
     sampled, num_sampled, sc_keep, just_converged, pinned = denoise_update(
         state, slots, stats, valid_len, width, W,
-        confidence_threshold=confidence_threshold, entropy_bound=entropy_bound,
+        confidence_threshold=cfg.confidence_threshold, entropy_bound=cfg.entropy_bound,
         vocab_size=vocab_size, layout=layout, seeds=seeds, draws=draws,
         noise_backend=noise_backend,
     )

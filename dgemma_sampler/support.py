@@ -400,15 +400,16 @@ def decide_support(support_fn, logits, row_request, temperature, lse, *, tail_ep
 
 
 def soft_embedding_tail(
-    support_fn, dense_fn, gather_fn,
+    kernels,
     logits, row_request, temperature, lse, embed_weight, normalizer, *,
     tail_eps: float, keep=None, threshold=None, allowed=None, vocab_start: int = 0,
     softcap=None, out=None, out_index=None, argmax=None, entropy=None,
     max_support: int = MAX_SUPPORT, inv_t=None, logits_scratch: bool = False,
 ) -> tuple[torch.Tensor, Support]:
-    """Soft embedding with a tail tolerance, from a backend's three functions: the support
-    decision, the dense soft embedding (``soft_embedding_rows``) of the dense rows, then the
-    gather of the sparse rows (after the dense pass, which zeroes the rows it does not keep).
+    """Soft embedding with a tail tolerance, from a backend's three operations
+    (``backend.Kernels``): the support decision (``support_rows``), the dense soft embedding
+    (``soft_embedding_rows``) of the dense rows, then the gather of the sparse rows
+    (``gather_rows``, after the dense pass, which zeroes the rows it does not keep).
     ``inv_t`` (``reference.inverse_temperature(temperature)``, optional) is computed once for
     the three. ``logits_scratch``: the dense pass may overwrite the rows it multiplies (the
     gather reads only the sparse ones). Returns (out, support).
@@ -423,37 +424,18 @@ def soft_embedding_tail(
     h_skip = math.inf
     if entropy is not None:
         h_skip = entropy_skip_f32(tail_eps, max_support, vocab)
-    support = decide_support(support_fn, logits, row_request, temperature, lse, tail_eps=tail_eps,
-                             max_support=max_support, v_local=v_local, vocab_start=vocab_start,
-                             keep=keep, threshold=threshold, allowed=allowed, softcap=softcap,
-                             argmax=argmax, entropy=entropy if h_skip < math.inf else None,
+    support = decide_support(kernels.support_rows, logits, row_request, temperature, lse,
+                             tail_eps=tail_eps, max_support=max_support, v_local=v_local,
+                             vocab_start=vocab_start, keep=keep, threshold=threshold,
+                             allowed=allowed, softcap=softcap, argmax=argmax,
+                             entropy=entropy if h_skip < math.inf else None,
                              entropy_bound=h_skip, inv_t=inv_t)
     dense_keep = support.dense()
-    out = dense_fn(logits, row_request, temperature, lse, embed_weight, normalizer,
-                   keep=dense_keep, threshold=threshold, allowed=allowed, vocab_start=vocab_start,
-                   softcap=softcap, out=out, out_index=out_index, inv_t=inv_t,
-                   logits_scratch=logits_scratch)
-    gather_fn(logits, row_request, temperature, lse, embed_weight, normalizer,
-              support.path, support.count, support.ids,
-              vocab_start=vocab_start, softcap=softcap, out=out, out_index=out_index, inv_t=inv_t)
+    out = kernels.soft_embedding_rows(
+        logits, row_request, temperature, lse, embed_weight, normalizer, keep=dense_keep,
+        threshold=threshold, allowed=allowed, vocab_start=vocab_start, softcap=softcap, out=out,
+        out_index=out_index, inv_t=inv_t, logits_scratch=logits_scratch)
+    kernels.gather_rows(logits, row_request, temperature, lse, embed_weight, normalizer,
+                        support.path, support.count, support.ids, vocab_start=vocab_start,
+                        softcap=softcap, out=out, out_index=out_index, inv_t=inv_t)
     return out, support
-
-
-def tail_functions_for(dense_fn):
-    """``tail_functions`` of the backend whose dense soft embedding is ``dense_fn`` (the
-    runner's, which may be a wrapper of the Triton one)."""
-    if dense_fn is reference.soft_embedding_rows:
-        return support_rows, dense_fn, gather_rows
-    find, _, gather = tail_functions("triton")
-    return find, dense_fn, gather
-
-
-def tail_functions(backend: str):
-    """(support, dense, gather) flat-row functions of ``"triton"`` or ``"torch"``: the first
-    three arguments of ``soft_embedding_tail``."""
-    if backend == "triton":
-        from .kernels.soft_embedding import soft_embedding_rows
-        from .kernels.soft_embedding_gather import gather_rows as gather
-        from .kernels.soft_embedding_support import support_rows as find
-        return find, soft_embedding_rows, gather
-    return support_rows, reference.soft_embedding_rows, gather_rows

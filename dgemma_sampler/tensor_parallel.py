@@ -63,13 +63,18 @@ import torch
 import torch.distributed as dist
 
 from . import ops, reference, support
+from .backend import kernels
 from .checks import int_range, need_int
+from .kernels.contract import ROW_STATS
 from .reference import FLT_MAX, RowStats
 
 # Columns of the packed per-row partials (int32; fp32 values travel as their bit patterns,
-# so the exchange is exact and one tensor of one dtype carries everything).
-Z_MAX, SAMPLE_KEY, LSE, ENTROPY, ARGMAX, SAMPLE, HAS_NAN = range(7)
-NUM_FIELDS = 7
+# so the exchange is exact and one tensor of one dtype carries everything): the keys the
+# "winner" rules compare, then every statistic that ``contract.ROW_STATS`` merges across ranks.
+KEYS = ("z_max", "sample_key")
+PACKED = tuple(f for f in ROW_STATS if not f.merge.startswith("none:"))
+COLUMN = {name: i for i, name in enumerate(KEYS + tuple(f.name for f in PACKED))}
+NUM_FIELDS = len(COLUMN)
 
 _TP_UNSUPPORTED = (
     "{name} is not supported with a vocabulary-sharded (tensor-parallel) sampler: its "
@@ -135,6 +140,16 @@ def _bits_f32(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.float32)
 
 
+def _pack(t: torch.Tensor) -> torch.Tensor:
+    """A statistic as an int32 column: fp32 by its bits, integers and flags by value (token
+    ids fit int32: ``row_stats`` refuses vocabularies past it)."""
+    return _f32_bits(t) if t.dtype.is_floating_point else t.to(torch.int32)
+
+
+def _unpack(column: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return _bits_f32(column) if dtype.is_floating_point else column.to(dtype)
+
+
 def local_row_partials(
     local_logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -186,13 +201,10 @@ def _local_partials_rows(flat, request, position, temperature, seeds, draws, *, 
     if v_local == 0:
         packed = torch.zeros(n, NUM_FIELDS, dtype=torch.int32, device=device)
         neg_inf = torch.full((n,), float("-inf"), dtype=torch.float32, device=device)
-        for col in (Z_MAX, SAMPLE_KEY, LSE):
+        for col in (COLUMN["z_max"], COLUMN["sample_key"], COLUMN["lse"]):
             packed[:, col] = _f32_bits(neg_inf)
         return packed, None
-    if ops.resolve_backend(backend, device) == "triton":
-        from .kernels.row_stats import row_stats_rows as run
-    else:
-        run = reference.row_stats_rows
+    run = kernels(ops.resolve_backend(backend, device)).row_stats_rows
     sample_key = torch.empty(n, dtype=torch.float32, device=device)
     stats = run(flat, request, position, temperature, seeds, draws, softcap=softcap,
                 vocab_offset=vocab_start, sample_block=sample_block, sample_key=sample_key)
@@ -208,19 +220,10 @@ def _local_partials_rows(flat, request, position, temperature, seeds, draws, *, 
         x = flat.gather(1, local.unsqueeze(1)).squeeze(1)
         return torch.clamp(reference.softcapped(x, softcap) * inv_t, max=FLT_MAX)
 
-    packed = torch.stack(
-        [
-            _f32_bits(z_of(stats.argmax)),
-            _f32_bits(sample_key),
-            _f32_bits(stats.lse),
-            _f32_bits(stats.entropy),
-            stats.argmax.to(torch.int32),
-            stats.sample.to(torch.int32),
-            stats.has_nan.to(torch.int32),
-        ],
-        dim=1,
-    )
-    return packed, stats
+    keys = {"z_max": z_of(stats.argmax), "sample_key": sample_key}
+    columns = [_f32_bits(keys[k]) for k in KEYS]
+    columns += [_pack(getattr(stats, f.name)) for f in PACKED]
+    return torch.stack(columns, dim=1), stats
 
 
 def row_stats_rows_sharded(
@@ -313,17 +316,54 @@ def merge_row_partials(gathered: torch.Tensor, greedy: torch.Tensor) -> RowStats
                          f"{tuple(gathered.shape)}")
     ops.check_tensor("greedy", greedy, dtypes=(torch.bool,), device=gathered.device, shape=(n,))
     neg_inf = float("-inf")
-    lse_r = _bits_f32(gathered[..., LSE])
+    column = {name: gathered[..., i] for name, i in COLUMN.items()}
+    lse_r = _bits_f32(column["lse"])
     # NaN lse (degenerate input) stays "kept" so it propagates as it would on one GPU.
     kept = lse_r != neg_inf
     any_kept = kept.any(dim=0)
+    lse, entropy = _merge_lse_entropy(lse_r, _bits_f32(column["z_max"]),
+                                      _bits_f32(column["entropy"]), kept, any_kept)
 
+    def winner(key: str, name: str) -> torch.Tensor:
+        # Largest key, ties to the lowest global id; ranks that kept nothing never win.
+        score = torch.where(kept, _bits_f32(column[key]), neg_inf)
+        best = score.max(dim=0).values
+        ids = column[name].to(torch.int64)
+        candidate = kept & (score == best)
+        picked = torch.where(candidate, ids, torch.iinfo(torch.int64).max).min(dim=0).values
+        return torch.where(any_kept, picked, 0)
+
+    merged = {}
+    for stat in ROW_STATS:
+        rule, _, arg = stat.merge.partition(":")
+        if rule == "lse":
+            value = lse
+        elif rule == "entropy":
+            value = entropy
+        elif rule == "winner":
+            value = winner(arg, stat.name)
+        elif rule == "none":
+            value = torch.full((n,), float(arg), device=gathered.device)
+        else:
+            parts = _unpack(column[stat.name], stat.dtype)
+            value = {"any": lambda t: t.any(dim=0), "max": lambda t: t.amax(dim=0),
+                     "min": lambda t: t.amin(dim=0)}[rule](parts)
+        merged[stat.name] = value.to(stat.dtype)
+    # A greedy row (T == 0) samples its argmax, as on one GPU.
+    merged["sample"] = torch.where(greedy, merged["argmax"], merged["sample"])
+    return RowStats(**merged)
+
+
+def _merge_lse_entropy(lse_r, m_r, h_r, kept, any_kept):
+    """The rows' lse and entropy from every rank's lse, slice maximum and entropy (module
+    docstring), in float64."""
+    neg_inf = float("-inf")
     # lse and entropy in float64 from each slice's max m_r and log-partition L_r = log Z_r,
     # relative to M = max_r m_r so that nothing large is added to something small (near
     # FLT_MAX, where +inf logits clamp, log(total) would vanish next to lse even in fp64).
-    m_r = torch.where(kept, _bits_f32(gathered[..., Z_MAX]).double(), neg_inf)
+    m_r = torch.where(kept, m_r.double(), neg_inf)
     lse64 = lse_r.double()
-    h_r = _bits_f32(gathered[..., ENTROPY]).double()
+    h_r = h_r.double()
     big_m = torch.where(any_kept, m_r.max(dim=0).values, 0.0)
     # L_r = lse_r - m_r loses everything below half an ulp of the fp32 lse_r: at T = 0
     # (z = x * 1e10) a 3-way tie has L_r = log 3 and lse_r = m_r exactly. Then H_r is the
@@ -338,26 +378,7 @@ def merge_row_partials(gathered: torch.Tensor, greedy: torch.Tensor) -> RowStats
     lse = torch.where(any_kept, big_m + (top + log_total), neg_inf)
     log_w = torch.where(kept, (d_r - top) - log_total, 0.0)  # log of rank r's probability share
     entropy = torch.where(kept, torch.exp(log_w) * (h_r - log_w), 0.0).sum(dim=0)
-    entropy = torch.where(any_kept, entropy, 0.0)
-
-    def winner(score_col: int, id_col: int) -> torch.Tensor:
-        # Largest score, ties to the lowest global id; ranks that kept nothing never win.
-        score = torch.where(kept, _bits_f32(gathered[..., score_col]), neg_inf)
-        best = score.max(dim=0).values
-        ids = gathered[..., id_col].to(torch.int64)
-        candidate = kept & (score == best)
-        return torch.where(candidate, ids, torch.iinfo(torch.int64).max).min(dim=0).values
-
-    argmax = torch.where(any_kept, winner(Z_MAX, ARGMAX), 0)
-    sample = torch.where(greedy, argmax, torch.where(any_kept, winner(SAMPLE_KEY, SAMPLE), 0))
-    return RowStats(
-        argmax=argmax,
-        sample=sample,
-        entropy=entropy.to(torch.float32),
-        lse=lse.to(torch.float32),
-        threshold=torch.full((n,), neg_inf, dtype=torch.float32, device=gathered.device),
-        has_nan=(gathered[..., HAS_NAN] != 0).any(dim=0),
-    )
+    return lse, torch.where(any_kept, entropy, 0.0)
 
 
 def _all_gather_rows(packed: torch.Tensor, world: int, group) -> torch.Tensor:

@@ -43,9 +43,49 @@ LSE_MARGIN_OFFSET = 16.0
 LSE_MARGIN_SCALE = 2.0**-17
 
 
+@dataclass(frozen=True)
+class StatField:
+    """One per-row statistic, described once for everything that handles rows of them.
+
+    ``dtype``: its tensors' dtype (``RowStats`` allocations, the kernels' outputs).
+    ``phantom``: what a phantom position (past a truncated canvas's valid rows) reads, which
+    the step fills in: a constant, or ``PHANTOM_TOKEN`` (the first column's token: 0, or a
+    shared allowed set's first id) or ``PHANTOM_ENTROPY`` (``log V``, a uniform row).
+    ``merge``: how tensor-parallel ranks' partials of one row combine into the single-GPU value
+    (``tensor_parallel.merge_row_partials``): ``"any"`` (logical or), ``"max"``, ``"min"``,
+    ``"lse"`` (log-sum-exp), ``"entropy"`` (the chain rule over the ranks' shares),
+    ``"winner:<key>"`` (the value of the rank whose ``<key>`` is largest, lowest id on ties; keys
+    are ``z_max``, the largest z of a rank's slice, and ``sample_key``, the winning block key of
+    its draw), ``"none:<fill>"`` (not defined under tensor parallelism: the fill).
+
+    A new statistic is a field here and in ``RowStats``, its math in ``reference.py``, and the
+    kernels that compute it (``row_stats.py``, and ``topk_topp.py``'s candidate path, which
+    finishes the rows whose top-k / top-p set is small); the step's padding, the
+    tensor-parallel packing and merge, the graph replays and tiling read this table.
+    """
+
+    name: str
+    dtype: torch.dtype
+    phantom: object
+    merge: str
+
+
+PHANTOM_TOKEN = "phantom token"
+PHANTOM_ENTROPY = "phantom entropy"
+ROW_STATS = (
+    StatField("argmax", torch.int64, PHANTOM_TOKEN, "winner:z_max"),
+    StatField("sample", torch.int64, PHANTOM_TOKEN, "winner:sample_key"),
+    StatField("entropy", torch.float32, PHANTOM_ENTROPY, "entropy"),
+    StatField("lse", torch.float32, float("nan"), "lse"),
+    StatField("threshold", torch.float32, float("-inf"), "none:-inf"),
+    StatField("has_nan", torch.bool, False, "any"),
+)
+
+
 @dataclass
 class RowStats:
-    """Per-row statistics. All tensors share the leading shape of the logits rows."""
+    """Per-row statistics (``ROW_STATS`` describes each). All tensors share the leading shape
+    of the logits rows."""
 
     argmax: torch.Tensor  # int64
     sample: torch.Tensor  # int64
@@ -58,7 +98,12 @@ class RowStats:
         return RowStats(*(t.view(*shape) for t in self.as_tuple()))
 
     def as_tuple(self) -> tuple[torch.Tensor, ...]:
-        return (self.argmax, self.sample, self.entropy, self.lse, self.threshold, self.has_nan)
+        return tuple(getattr(self, f.name) for f in ROW_STATS)
+
+    @staticmethod
+    def empty(n_rows: int, device: torch.device) -> RowStats:
+        """Uninitialised statistics of ``n_rows`` rows."""
+        return RowStats(*(torch.empty(n_rows, dtype=f.dtype, device=device) for f in ROW_STATS))
 
 
 def inverse_temperature(temperature: torch.Tensor) -> torch.Tensor:

@@ -799,14 +799,7 @@ def _check_rows(logits, row_request, row_position, temperature, seeds, draws, to
 
 def _empty_stats(n_rows: int, device: torch.device) -> RowStats:
     """Uninitialized outputs (a separate function so tests can poison them)."""
-    return RowStats(
-        argmax=torch.empty(n_rows, dtype=torch.int64, device=device),
-        sample=torch.empty(n_rows, dtype=torch.int64, device=device),
-        entropy=torch.empty(n_rows, dtype=torch.float32, device=device),
-        lse=torch.empty(n_rows, dtype=torch.float32, device=device),
-        threshold=torch.empty(n_rows, dtype=torch.float32, device=device),
-        has_nan=torch.empty(n_rows, dtype=torch.bool, device=device),
-    )
+    return RowStats.empty(n_rows, device)
 
 
 def default_config(logits: torch.Tensor) -> dict:

@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from dgemma_sampler import envs, ops
+from dgemma_sampler import backend, envs
 
 
 @pytest.mark.parametrize("value, on", [(None, True), ("1", True), ("yes", True), ("0", False),
@@ -28,22 +28,23 @@ def test_switches_read_on_every_call(monkeypatch, value, on):
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    """A stand-in ``kernels.soft_embedding`` module recording the keywords it is called with."""
+    """A stand-in ``kernels.soft_embedding_dispatch`` module recording the keywords it is called with."""
     calls = []
-    stub = types.ModuleType("dgemma_sampler.kernels.soft_embedding")
+    stub = types.ModuleType("dgemma_sampler.kernels.soft_embedding_dispatch")
     stub.soft_embedding_rows = lambda *args, **kwargs: calls.append(kwargs)
-    monkeypatch.setitem(sys.modules, "dgemma_sampler.kernels.soft_embedding", stub)
+    monkeypatch.setitem(sys.modules, "dgemma_sampler.kernels.soft_embedding_dispatch", stub)
     return calls
 
 
 def test_soft_embedding_switches_become_arguments(monkeypatch, kernel_calls):
     monkeypatch.delenv("DGEMMA_SOFT_EMBEDDING_WGMMA", raising=False)
     monkeypatch.delenv("DGEMMA_SOFT_EMBEDDING_TUNE", raising=False)
-    ops.triton_soft_embedding_rows()
+    run = backend._triton_soft_embedding_rows
+    run()
     monkeypatch.setenv("DGEMMA_SOFT_EMBEDDING_WGMMA", "0")
     monkeypatch.setenv("DGEMMA_SOFT_EMBEDDING_TUNE", "0")
-    ops.triton_soft_embedding_rows()
-    ops.triton_soft_embedding_rows(wgmma=True, tune=True)  # an explicit argument wins
+    run()
+    run(wgmma=True, tune=True)  # an explicit argument wins
     assert kernel_calls == [dict(wgmma=None, tune=True), dict(wgmma=False, tune=False),
                             dict(wgmma=True, tune=True)]
 
@@ -51,6 +52,4 @@ def test_soft_embedding_switches_become_arguments(monkeypatch, kernel_calls):
 def test_the_step_gets_the_dispatcher():
     """The sampler's Triton soft embedding is the one that reads the environment."""
     pytest.importorskip("triton")
-    from dgemma_sampler.runner import backend_functions
-
-    assert backend_functions("triton")[1] is ops.triton_soft_embedding_rows
+    assert backend.kernels("triton").soft_embedding_rows is backend._triton_soft_embedding_rows

@@ -29,8 +29,9 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if not INTERPRET and not torch.cuda.is_available():
     pytest.skip("needs TRITON_INTERPRET=1 (CPU) or a CUDA device", allow_module_level=True)
 
-from dgemma_sampler.kernels import soft_embedding as se  # noqa: E402
+from dgemma_sampler.kernels import soft_embedding_dispatch as se  # noqa: E402
 from dgemma_sampler.kernels import tile_schedule  # noqa: E402
+from dgemma_sampler.kernels.soft_embedding import half_last_n  # noqa: E402
 
 FLT_MAX = torch.finfo(torch.float32).max
 DEVICE = "cpu" if INTERPRET else "cuda"
@@ -369,7 +370,7 @@ def test_ragged_slice_with_and_without_keep(with_keep):
 @pytest.mark.parametrize("num_sms", [1, 64])
 def test_half_width_last_n_tile(num_sms):
     """H = 90 with BLOCK_N 64: the last N tile runs 32 wide (HALF_LAST_N), whole or split-K."""
-    assert se.half_last_n(90, 64) and se.half_last_n(2816, 512) and not se.half_last_n(2816, 256)
+    assert half_last_n(90, 64) and half_last_n(2816, 512) and not half_last_n(2816, 256)
     case = make_case(hidden=90, embed_dtype=torch.float16, seed=17)
     check(case, run_kernel(case, num_sms=num_sms), against_torch=False)
 

@@ -103,7 +103,7 @@ def test_given_operand_gemm_matches_the_fused_gemm_gpu(softcap):
     and E. Without a softcap the fused Hopper GEMM runs on the read-only logits: the given
     operand reproduces it bit for bit. With one the portable Triton kernel is the reference
     (another summation order: within bf16 operand tolerance). Rows not kept keep their logits."""
-    from dgemma_sampler.kernels import soft_embedding as se
+    from dgemma_sampler.kernels import soft_embedding_dispatch as se
     from dgemma_sampler.kernels.row_stats import row_stats_rows
 
     n, vocab, hidden = 512, 262144, 2816

@@ -18,6 +18,7 @@ from conftest import capture_step
 import dgemma_sampler as ds
 from dgemma_sampler import reference
 from dgemma_sampler import support as sp
+from dgemma_sampler.backend import kernels
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_TRITON = INTERPRET or torch.cuda.is_available()
@@ -150,7 +151,7 @@ def _find(backend, x, t, eps, k=sp.MAX_SUPPORT):
     """The support decision of ``backend`` over flat rows ``x`` of request 0, tiers 2 off."""
     lse = torch.logsumexp(x.double() * reference.inverse_temperature(t.cpu()).double().to(x.device),
                           dim=1).float()
-    return sp.decide_support(sp.tail_functions(backend)[0], x,
+    return sp.decide_support(kernels(backend).support_rows, x,
                              torch.zeros(x.shape[0], dtype=torch.int64, device=x.device), t, lse,
                              tail_eps=eps, max_support=k)
 
@@ -243,7 +244,7 @@ def test_many_greedy_ties_do_not_overflow_the_tail_sum(backend, ties):
     # bf16 E: an fp32 E multiplies in tf32 on the GPU's dense path, far from the float64 sum
     e = torch.randn(v, h, device=DEVICE).to(torch.bfloat16)
     for k in (sp.MAX_SUPPORT, 256):  # dense by the support size, then sparse over the ties
-        find = sp.tail_functions(backend)[0]
+        find = kernels(backend).support_rows
         s = sp.decide_support(find, x.reshape(-1, v), torch.zeros(2, dtype=torch.int64, device=DEVICE),
                               t, st.lse.reshape(-1), tail_eps=2.0**-12, max_support=k,
                               argmax=st.argmax.reshape(-1))
@@ -322,10 +323,10 @@ def test_soft_embedding_within_the_bound(backend, case):
                       allowed=kw.get("allowed"))
     if keep is not None:
         want = torch.where(keep.cpu()[..., None], want, 0.0)
-    fns = sp.tail_functions("torch")
+    fns = kernels("torch")
     flat = x.reshape(r * w, v)
     req = torch.arange(r, device=DEVICE).repeat_interleave(w)
-    _, s = sp.soft_embedding_tail(*fns, flat, req, t, st.lse.reshape(-1), e, 4.0, tail_eps=EPS,
+    _, s = sp.soft_embedding_tail(fns, flat, req, t, st.lse.reshape(-1), e, 4.0, tail_eps=EPS,
                                   keep=None if keep is None else keep.reshape(-1),
                                   threshold=None if "threshold" not in kw else st.threshold.reshape(-1),
                                   allowed=kw.get("allowed"), softcap=kw.get("softcap"),
@@ -359,7 +360,7 @@ def test_rejects_bad_tail_eps():
     assert ds.SamplerConfig().tail_eps == EPS and ds.SamplerConfig(tail_eps=0).tail_eps == 0
     assert ds.SamplerConfig(tail_eps=2.0**-30).tail_eps == 2.0**-30
     with pytest.raises(ValueError, match="tail_eps"):
-        sp.soft_embedding_tail(*sp.tail_functions("torch"), x.reshape(2, 100),
+        sp.soft_embedding_tail(kernels("torch"), x.reshape(2, 100),
                                torch.zeros(2, dtype=torch.int64), t, st.lse.reshape(-1), e, 1.0,
                                tail_eps=0.0)
 
@@ -577,7 +578,7 @@ def test_gpu_production_vocabulary(dtype):
     e = (torch.randn(v, h, device="cuda") * 0.03).to(torch.bfloat16)
     flat = x.reshape(r * w, v)
     req = torch.arange(r, device="cuda").repeat_interleave(w)
-    _, s_k = sp.soft_embedding_tail(*sp.tail_functions("triton"), flat, req, t,
+    _, s_k = sp.soft_embedding_tail(kernels("triton"), flat, req, t,
                                     st.lse.reshape(-1), e, 5.0, tail_eps=EPS,
                                     argmax=st.argmax.reshape(-1), entropy=st.entropy.reshape(-1))
     s_o = sp.support_rows(flat, req, t, st.lse.reshape(-1), tail_eps=EPS,
@@ -694,7 +695,7 @@ def test_gpu_torch_backend_does_not_sync():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        out, s = sp.soft_embedding_tail(*sp.tail_functions("torch"), x.reshape(r * w, v), req, t,
+        out, s = sp.soft_embedding_tail(kernels("torch"), x.reshape(r * w, v), req, t,
                                         st.lse.reshape(-1), e, 2.0, tail_eps=EPS,
                                         argmax=st.argmax.reshape(-1), entropy=st.entropy.reshape(-1))
     finally:

@@ -7,6 +7,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dgemma_sampler as ds
+from dgemma_sampler import backend
 from dgemma_sampler import step as step_mod
 from dgemma_sampler.state import to_device_int64
 
@@ -35,13 +36,12 @@ def general_step(sampler, logits, slots, valid):
     widths = s.canvas_width_np[slots].astype(np.int64)
     starts = np.concatenate(([0], np.cumsum(valid)[:-1]))
     t = lambda a: torch.tensor(np.asarray(a, dtype=np.int64), device=dev)  # noqa: E731
+    batch = step_mod.StepBatch(t(slots), t(starts), t(valid), t(widths), int(widths.max()))
     return step_mod.decode_step(
-        s, logits, t(slots), t(starts), t(valid), t(widths), int(widths.max()),
-        confidence_threshold=sampler.cfg.confidence_threshold, entropy_bound=sampler.cfg.entropy_bound,
+        s, logits, batch, cfg=sampler.cfg, vocab_size=s.vocab_size,
+        kernels=backend.kernels(sampler.backend),
         temperature_of=lambda sl: sampler.cfg.temperature(s.step[sl]).to(torch.float32),
-        stats_fn=sampler.stats_fn, soft_fn=sampler.soft_fn, embed_weight=sampler.embed_weight,
-        normalizer=sampler.normalizer, vocab_size=s.vocab_size, noise_backend=sampler.backend,
-        tail_eps=sampler.cfg.tail_eps)
+        soft=step_mod.SelfConditioning(sampler.embed_weight, sampler.normalizer))
 
 
 @pytest.mark.parametrize("widths,valid,pins", [

@@ -4,7 +4,7 @@ vLLM only inside its functions)."""
 import pytest
 import torch
 
-from dgemma_sampler.kernels.soft_embedding import _wgmma_module
+from dgemma_sampler.kernels.soft_embedding_dispatch import _wgmma_module
 from dgemma_sampler.ops import cuda_capability
 from dgemma_sampler.vllm.plugin import _kernels_line, kernels_for_device
 

@@ -215,7 +215,7 @@ def main() -> None:
     if args.head:
         sys.exit(0 if compile_head(ptxas) else 1)
 
-    from dgemma_sampler.kernels import soft_embedding as se
+    from dgemma_sampler.kernels import soft_embedding_dispatch as se
     from dgemma_sampler.kernels import soft_embedding_wgmma as wg
     n, v, h = 8192, 4096, 2816  # the real row count and hidden size; any vocabulary compiles alike
     failed = False

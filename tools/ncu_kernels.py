@@ -26,7 +26,7 @@ from bench_row_stats import make_logits, request_params, top_k_top_p  # noqa: E4
 from bench_soft_embedding import make_inputs  # noqa: E402
 
 from dgemma_sampler.kernels import row_stats as rs  # noqa: E402
-from dgemma_sampler.kernels import soft_embedding as se  # noqa: E402
+from dgemma_sampler.kernels import soft_embedding_dispatch as se  # noqa: E402
 
 VOCAB, HIDDEN = 262144, 2816
 

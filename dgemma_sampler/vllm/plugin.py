@@ -158,14 +158,11 @@ def _kernels_line(device: Any, capability: tuple[int, int] | None) -> str:
 
     if resolve_backend("auto", device) != "triton":
         return f"{device}: PyTorch reference (no CUDA device)"
-    if capability is None:
-        return f"{device}: Triton row statistics + Triton soft-embedding GEMM"
-    major, minor = capability
-    gemm = "Triton soft-embedding GEMM"
-    if major == 9 and envs.soft_embedding_wgmma():
-        from ..kernels.soft_embedding import _wgmma_module
+    from ..kernels.soft_embedding_dispatch import gemm_name
 
-        # Calls the Gluon kernel cannot take (softcap, a constrained set, fp32 E) stay on Triton.
-        if _wgmma_module() is not None:
-            gemm = "Gluon wgmma soft-embedding GEMM"
+    if capability is None:
+        return f"{device}: Triton row statistics + {gemm_name(None)}"
+    major, minor = capability
+    # (calls the Gluon kernel cannot take, e.g. an fp32 E, stay on the Triton kernel)
+    gemm = gemm_name(capability if envs.soft_embedding_wgmma() else None)
     return f"{device} (sm_{major}{minor}): Triton row statistics + {gemm}"
