@@ -226,35 +226,19 @@ def _local_partials_rows(flat, request, position, temperature, seeds, draws, *, 
     return torch.stack(columns, dim=1), stats
 
 
-def row_stats_rows_sharded(
-    logits: torch.Tensor,
-    row_request: torch.Tensor,
-    row_position: torch.Tensor,
-    temperature: torch.Tensor,
-    seeds: torch.Tensor,
-    draws: torch.Tensor,
-    *,
-    vocab_start: int,
-    vocab_end: int,
-    group=None,
-    softcap: float | None = None,
-    top_k: torch.Tensor | None = None,
-    top_p: torch.Tensor | None = None,
-    allowed: torch.Tensor | None = None,
-    backend: str = "auto",
-    sample_block: int = reference.SAMPLE_BLOCK,
-) -> RowStats:
-    """Flat-row statistics (the decode step's ``stats_fn``) computed from one vocabulary slice.
+def row_stats_rows_sharded(logits: torch.Tensor, *rows: torch.Tensor, vocab_start: int,
+                           vocab_end: int, **kwargs) -> RowStats:
+    """Flat-row statistics (the decode step's row statistics) computed from one vocabulary slice.
 
     ``logits`` are the full-vocabulary rows ``[N, V]`` that vLLM hands every rank after its
     logits gather; this rank reads only columns ``[vocab_start, vocab_end)`` and the ranks
     merge their partials with one all_gather, so each rank streams ``1 / world`` of the
-    logits. Returns the single-GPU ``RowStats`` (global ids), identical on every rank.
+    logits. ``rows`` (row request, row position, temperature, seeds, draws) and ``kwargs`` are
+    ``row_stats_rows_local``'s. Returns the single-GPU ``RowStats`` (global ids), identical on
+    every rank.
     """
-    return row_stats_rows_local(logits[:, vocab_start:vocab_end], row_request, row_position,
-                                temperature, seeds, draws, vocab_start=vocab_start, group=group,
-                                softcap=softcap, top_k=top_k, top_p=top_p, allowed=allowed,
-                                backend=backend, sample_block=sample_block)
+    return row_stats_rows_local(logits[:, vocab_start:vocab_end], *rows, vocab_start=vocab_start,
+                                **kwargs)
 
 
 def row_stats_rows_local(

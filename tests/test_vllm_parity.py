@@ -829,6 +829,19 @@ def lm_head(seed: int = 13) -> torch.Tensor:
     return torch.randn(V, HID, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
 
 
+def add_mixed_requests(pair: Pair) -> list:
+    """Five requests through prefill: top-k with top-n logprobs, top-p with logprobs of named
+    ids and a narrow canvas, a step cap, a read-only request, a plain one; their decode entries
+    (two truncated canvases)."""
+    pair.add(0, top_k=5, logprobs=2, extra_args={"diffusion_max_steps": 3})
+    pair.add(1, top_p=0.7, logprob_token_ids=[4, 9], extra_args={"diffusion_canvas_length": 5})
+    pair.add(2, extra_args={"diffusion_max_steps": 4})
+    pair.add(3, logprobs=1, extra_args={"diffusion_read_only": True, "diffusion_max_steps": 2})
+    pair.add(4)
+    pair.step([Prefill(s, 4) for s in range(5)], torch.zeros(0, HID))
+    return [Decode(0, CL), Decode(1, 5), Decode(2, 6), Decode(3, CL), Decode(4, 7)]
+
+
 def projected_pair(weight: torch.Tensor, **kw) -> Pair:
     """Both samplers built with DiffusionGemma's projection (bf16 tied head, softcap 30)."""
     return Pair(hidden=HID, embed_weight=weight,
@@ -853,13 +866,7 @@ def test_hidden_states_projected_per_tile(tile):
     runner = pair.ours.sampler.runner
     itemsize = weight.element_size() + 4  # the head's output and the fp32 softcapped copy
     runner.budget_bytes = tile * bytes_per_request(CL, V, itemsize)
-    pair.add(0, top_k=5, logprobs=2, extra_args={"diffusion_max_steps": 3})
-    pair.add(1, top_p=0.7, logprob_token_ids=[4, 9], extra_args={"diffusion_canvas_length": 5})
-    pair.add(2, extra_args={"diffusion_max_steps": 4})
-    pair.add(3, logprobs=1, extra_args={"diffusion_read_only": True, "diffusion_max_steps": 2})
-    pair.add(4)
-    pair.step([Prefill(s, 4) for s in range(5)], torch.zeros(0, HID))
-    entries = [Decode(0, CL), Decode(1, 5), Decode(2, 6), Decode(3, CL), Decode(4, 7)]
+    entries = add_mixed_requests(pair)
     targets = {e.slot: torch.randint(0, V, (e.valid_len,), generator=gen) for e in entries}
     projection = pair.ours.projection
     emitted = 0
@@ -933,13 +940,7 @@ def test_models_own_head_projected_by_the_adapter():
         assert pair.ours.sampler._model_head is not None  # recognised as DiffusionGemma's own
         runner = pair.ours.sampler.runner
         runner.budget_bytes = tile * bytes_per_request(CL, V, weight.element_size())
-        pair.add(0, top_k=5, logprobs=2, extra_args={"diffusion_max_steps": 3})
-        pair.add(1, top_p=0.7, logprob_token_ids=[4, 9], extra_args={"diffusion_canvas_length": 5})
-        pair.add(2, extra_args={"diffusion_max_steps": 4})
-        pair.add(3, logprobs=1, extra_args={"diffusion_read_only": True, "diffusion_max_steps": 2})
-        pair.add(4)
-        pair.step([Prefill(s, 4) for s in range(5)], torch.zeros(0, HID))
-        entries = [Decode(0, CL), Decode(1, 5), Decode(2, 6), Decode(3, CL), Decode(4, 7)]
+        entries = add_mixed_requests(pair)
         targets = {e.slot: torch.randint(0, V, (e.valid_len,), generator=gen) for e in entries}
         emitted = 0
         for j in range(5):

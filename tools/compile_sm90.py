@@ -78,16 +78,12 @@ def atomic_predicates(ptx: str) -> tuple[int, set[str]]:
     return len(found), set(found)
 
 
-def compile_row_stats(args, ptxas: str) -> bool:
-    """Compile ``row_stats_rows``'s kernel as an H200 would run it (the descriptor walk forced
-    on: its test needs a CUDA tensor) for each dtype, unsplit and split; report registers and
-    spills, and check the split kernel's atomics. Returns whether all is well."""
-    import torch
+def recording_compiles() -> list:
+    """From now on every JIT launch (a warm-up under the stand-in driver) appends its compiled
+    kernel to the returned list."""
     from triton.runtime.jit import JITFunction
 
-    from dgemma_sampler.kernels import row_stats as rs
-
-    compiled = []
+    compiled: list = []
     warm = JITFunction.run
 
     def keep(self, *a, **kw):
@@ -95,6 +91,18 @@ def compile_row_stats(args, ptxas: str) -> bool:
         return compiled[-1]
 
     JITFunction.run = keep
+    return compiled
+
+
+def compile_row_stats(args, ptxas: str) -> bool:
+    """Compile ``row_stats_rows``'s kernel as an H200 would run it (the descriptor walk forced
+    on: its test needs a CUDA tensor) for each dtype, unsplit and split; report registers and
+    spills, and check the split kernel's atomics. Returns whether all is well."""
+    import torch
+
+    from dgemma_sampler.kernels import row_stats as rs
+
+    compiled = recording_compiles()
     rs._tma_walk = lambda logits, cfg, block, aligned: bool(cfg.get("tma")) and aligned
     rs.interpreting = lambda: False
     ok = True
@@ -123,19 +131,11 @@ def compile_head(ptxas: str) -> bool:
     """Compile ``head_gemm.project`` at DiffusionGemma's shape (bf16, TMA and pointer loads) as
     an H100/H200 would run it; report registers, spills and shared memory."""
     import torch
-    from triton.runtime.jit import JITFunction
 
     from dgemma_sampler.kernels import contract
     from dgemma_sampler.kernels import head_gemm as hg
 
-    compiled = []
-    warm = JITFunction.run
-
-    def keep(self, *a, **kw):
-        compiled.append(warm(self, *a, **kw))
-        return compiled[-1]
-
-    JITFunction.run = keep
+    compiled = recording_compiles()
     contract.sm_count = lambda device: 132
     ok = True
     m, v, h = 8192, 262144, 2816
