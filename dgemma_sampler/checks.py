@@ -24,18 +24,27 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, TypeGuard
 
 import numpy as np
 import torch
 
+if TYPE_CHECKING:
+    from typing import TypeAlias
 
-def is_int(value: object) -> bool:
+    # What ``is_int`` / ``is_real`` let through, as a type checker sees it: Python and numpy
+    # scalars (another ``numbers.Integral`` / ``numbers.Real`` passes too, and behaves as they do).
+    IntScalar: TypeAlias = int | np.integer
+    RealScalar: TypeAlias = int | float | np.integer | np.floating
+
+
+def is_int(value: object) -> TypeGuard[IntScalar]:
     """An integer that is not a bool (Python int or numpy integer scalar)."""
     return type(value) is int or (isinstance(value, numbers.Integral)
                                   and not isinstance(value, (bool, np.bool_)))
 
 
-def is_real(value: object) -> bool:
+def is_real(value: object) -> TypeGuard[RealScalar]:
     """A real number that is not a bool (Python int / float, numpy scalar)."""
     return type(value) in (int, float) or (isinstance(value, numbers.Real)
                                            and not isinstance(value, (bool, np.bool_)))

@@ -11,6 +11,7 @@ name the argument; the kernels below only assert. The environment's switches for
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -48,9 +49,10 @@ def same_device(a: torch.device, b: torch.device) -> bool:
     return a.index == b.index
 
 
-def check_tensor(name: str, t, *, dim: int | None = None, dtypes=None, device=None,
-                 shape: tuple | None = None) -> None:
-    """Raise a TypeError/ValueError naming ``name`` when ``t`` is not what is expected."""
+def check_tensor(name: str, t: object, *, dim: int | None = None, dtypes=None, device=None,
+                 shape: tuple | None = None) -> torch.Tensor:
+    """Raise a TypeError/ValueError naming ``name`` when ``t`` is not what is expected; else
+    return ``t`` (typed as the tensor it is)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if dim is not None and t.dim() != dim:
@@ -62,6 +64,7 @@ def check_tensor(name: str, t, *, dim: int | None = None, dtypes=None, device=No
         raise ValueError(f"{name} must be on {device} (where the logits are), got {t.device}")
     if shape is not None and tuple(t.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    return t
 
 
 def _check_logits(logits: torch.Tensor) -> None:
@@ -271,7 +274,8 @@ def soft_embedding(
         check_values(normalizer_ok)
     flat, request, _ = _flat_rows(logits)
     out_flat = None if out is None else out.view(r * w, hidden)
-    kwargs = dict(
+    # The keyword arguments both soft embedding paths take, of several types.
+    kwargs: dict[str, Any] = dict(
         keep=None if keep is None else keep.reshape(-1),
         threshold=None if threshold is None else threshold.reshape(-1),
         allowed=_contiguous_mask(allowed), vocab_start=vocab_start, softcap=softcap, out=out_flat,

@@ -92,7 +92,10 @@ def bytes_per_request(width: int, vocab: int, logits_itemsize: int = 0) -> int:
 class RequestOptions(Protocol):
     """What the runner asks a front end about the requests of a tile (host slot arrays)."""
 
-    generation: int  # moves whenever a slot gets a new request (invalidates cached plans)
+    @property
+    def generation(self) -> int:
+        """Moves whenever a slot gets a new request (invalidates cached plans); the runner only
+        reads it (a plain attribute or a property)."""
 
     def top_k_top_p(self, slots: list[int], slots_t: torch.Tensor
                     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -287,12 +290,16 @@ class StepRunner:
         n = len(slots)
         W = int(widths.max())
         starts = np.concatenate(([0], np.cumsum(valid)[:-1])).astype(np.int64)
-        hidden_input = hidden_states is not None
-        if hidden_input:
+        # ``head``: the projection that makes each tile's logits (hidden-state input), else None.
+        head: Projection | None = None
+        if hidden_states is not None:
             if projection is None:
                 raise ValueError("hidden_states need a projection")
+            source, head = hidden_states, projection
             tile = self.tile_requests(W, vocab, projection.itemsize)
         else:
+            assert logits is not None, "StepRunner.step takes logits or hidden_states"
+            source = logits
             # Logits input: the kernels need O(1) bytes per row, and the oracle bounds its
             # memory per chunk of rows (``_torch_chunk_rows``): one tile.
             tile = n
@@ -312,13 +319,13 @@ class StepRunner:
             r0, r1 = int(starts[t0]), int(starts[t1 - 1] + valid[t1 - 1])
             plan = self.plan(slots[t0:t1], starts[t0:t1] - r0, valid[t0:t1], widths[t0:t1],
                              vocab, column_tokens, W=W)
-            rows = hidden_states[r0:r1] if hidden_input else logits[r0:r1]
+            rows = source[r0:r1]
             graph = self._step_graph(plan, rows, vocab, projection, logprobs, column_tokens,
                                      whole=t0 == 0 and t1 == n)
             if graph is not None:
                 outputs.append(graph.run(rows))
                 continue
-            tile_logits = projection.project(rows, valid[t0:t1]) if hidden_input else rows
+            tile_logits = head.project(rows, valid[t0:t1]) if head is not None else rows
             out = self.run_tile(plan, tile_logits, step_kernels=step_kernels,
                                 projection=projection, column_tokens=column_tokens)
             if logprobs is not None:
@@ -393,20 +400,22 @@ class StepRunner:
         ``step_kernels``: the step's kernels (default the backend's); ``projection``: the
         tile's logits are a projection's, the step's own (None: a caller's logits, read only)."""
         step_kernels = step_kernels or self.kernels
-        local = projection is not None and projection.vocab_start is not None
+        # The first vocabulary id of this rank's slice of the head, where the logits are one.
+        slice_start = None if projection is None else projection.vocab_start
+        local = slice_start is not None
         vocab_start = self.vocab_start if column_tokens is None else 0
         unmasked = (column_tokens is None and plan.allowed is None and plan.top_k is None
                     and plan.top_p is None)
-        if local:
+        if slice_start is not None:
             # This rank's slice of the head: statistics from its own columns, merged across the
             # ranks; the soft embedding multiplies the same slice (vocab_start 0 in the tile).
-            if projection.vocab_start != self.vocab_start or (
+            if slice_start != self.vocab_start or (
                     tile_logits.shape[1] != self.embed_weight.shape[0]):
                 raise ValueError(
-                    f"the head slice [{projection.vocab_start}, +{tile_logits.shape[1]}) must be "
+                    f"the head slice [{slice_start}, +{tile_logits.shape[1]}) must be "
                     f"the embedding's [{self.vocab_start}, +{self.embed_weight.shape[0]})")
             step_kernels = step_kernels.with_row_stats(
-                tensor_parallel.row_stats_rows_local, vocab_start=projection.vocab_start,
+                tensor_parallel.row_stats_rows_local, vocab_start=slice_start,
                 group=self.tp_group, backend=self.backend)
             vocab_start = 0
         elif self.tp_world > 1 and unmasked:

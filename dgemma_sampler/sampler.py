@@ -20,6 +20,7 @@ from .checks import id_list, int_range, is_int, need_flag, need_int, need_real
 from .config import SamplerConfig
 from .head import LmHead
 from .ops import FLOAT_DTYPES, check_normalizer, check_tensor, check_values, resolve_backend
+from .reference import RowStats
 from .runner import LogprobRequest, LogprobRows, StepRunner
 from .state import DiffusionState, to_device_int64
 from .step import StepOutput
@@ -248,11 +249,13 @@ class DiffusionSampler:
                     "valid_len must hold one length per slot, each in [1, that slot's canvas width]"
                 )
         hidden_input = hidden_states is not None
-        if hidden_input:
+        head_weight = None  # ``output_weight``, checked, with hidden-state input
+        if hidden_states is not None:
             if logits is not None:
                 raise ValueError("give either logits or hidden_states, not both")
             check_tensor("hidden_states", hidden_states, dim=2, dtypes=FLOAT_DTYPES, device=state.device)
-            check_tensor("output_weight", output_weight, dim=2, dtypes=FLOAT_DTYPES, device=state.device)
+            output_weight = head_weight = check_tensor("output_weight", output_weight, dim=2,
+                                                       dtypes=FLOAT_DTYPES, device=state.device)
             head_rows = (state.vocab_size, self.embed_weight.shape[0])
             if output_weight.shape[0] not in head_rows or output_weight.shape[1] != hidden_states.shape[1]:
                 raise ValueError(
@@ -269,9 +272,9 @@ class DiffusionSampler:
                                  "columns), not with hidden_states")
             n_rows, vocab = hidden_states.shape[0], output_weight.shape[0]
         else:
-            check_tensor("logits", logits, dtypes=FLOAT_DTYPES, device=state.device)
+            logits = check_tensor("logits", logits, dtypes=FLOAT_DTYPES, device=state.device)
             if logits.dim() == 3:
-                if logits.shape[0] != n or (valid != logits.shape[1]).any():
+                if logits.shape[0] != n or np.any(valid != logits.shape[1]):
                     raise ValueError("3-D logits must be [len(slots), W, V] with full canvases of width W")
                 logits = logits.reshape(-1, logits.shape[-1])
             if logits.dim() != 2:
@@ -286,15 +289,16 @@ class DiffusionSampler:
                 raise ValueError(f"logits vocabulary {vocab} != the state's {state.vocab_size}")
         if n == 0:
             empty = torch.zeros(0, dtype=torch.int64, device=state.device)
-            return StepOutput(empty.view(0, 0), empty.int(), empty.bool(), None)
+            return StepOutput(empty.view(0, 0), empty.int(), empty.bool(),
+                              RowStats.empty(0, state.device).view(0, 0))
 
         stash = None
         if logprobs or logprob_token_ids:
             stash = self._logprob_request(logprobs or {}, logprob_token_ids or {}, column_tokens)
         projection = None
-        if hidden_input:
-            whole = output_weight.shape[0] == state.vocab_size
-            projection = LmHead(output_weight, softcap=self.cfg.softcap,
+        if head_weight is not None:
+            whole = head_weight.shape[0] == state.vocab_size
+            projection = LmHead(head_weight, softcap=self.cfg.softcap,
                                 vocab_start=0 if whole else self.vocab_start,
                                 vocab_size=state.vocab_size, backend=self.backend).projection()
         result = self.runner.step(

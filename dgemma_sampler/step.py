@@ -162,10 +162,11 @@ def _stats_padded(
     padded = []
     for stat, src in zip(ROW_STATS, stats.as_tuple()):
         fill = stat.phantom
-        if fill == PHANTOM_TOKEN and isinstance(phantom_argmax, torch.Tensor):
-            dst = phantom_argmax.to(stat.dtype).expand(n, width).clone()
+        value = phantom_argmax if fill == PHANTOM_TOKEN else (
+            phantom_entropy if fill == PHANTOM_ENTROPY else fill)
+        if isinstance(value, torch.Tensor):
+            dst = value.to(stat.dtype).expand(n, width).clone()
         else:
-            value = {PHANTOM_TOKEN: phantom_argmax, PHANTOM_ENTROPY: phantom_entropy}.get(fill, fill)
             dst = torch.full((n, width), value, dtype=stat.dtype, device=dev)
         dst[request, position] = src.to(dst.dtype)
         padded.append(dst)
@@ -222,6 +223,7 @@ def denoise_update(
     ``pinned`` None when no request pins positions.
     """
     dev = slots.device
+    inside: torch.Tensor | None  # None: every position is inside its canvas
     if layout is None:
         positions = torch.arange(W, device=dev)
         inside = positions.unsqueeze(0) < width.unsqueeze(1)

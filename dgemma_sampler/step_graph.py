@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .kernels.contract import ROW_STATS
 from .reference import RowStats
 from .step import StepOutput
 from .update_graph import CAPTURE_AFTER, capture, copy_all
@@ -47,9 +48,10 @@ def graphable_bytes() -> int:
     return MAX_GRAPH_BYTES
 
 
-def _tensors(out: StepOutput) -> list[torch.Tensor | None]:
-    return [out.sampled, out.num_sampled, out.just_converged, *out.stats.as_tuple(),
-            out.sc_path_rows]
+def _tensors(out: StepOutput) -> list[torch.Tensor]:
+    """The tensors of ``out``: ``sc_path_rows`` last, where it has one."""
+    extra = [] if out.sc_path_rows is None else [out.sc_path_rows]
+    return [out.sampled, out.num_sampled, out.just_converged, *out.stats.as_tuple(), *extra]
 
 
 class StepGraph:
@@ -80,23 +82,23 @@ class StepGraph:
         self.calls += 1
         if self.calls <= CAPTURE_AFTER or torch.cuda.is_current_stream_capturing():
             return self._step(rows)
-        if self.graph is None or self.static.shape != rows.shape or self.static.dtype != rows.dtype:
-            self.static = torch.empty_like(rows)
-            self.graph, self._out = capture(lambda: self._step(self.static), rows.device,
-                                            pool=self.pool)
-        self.static.copy_(rows)
-        self.graph.replay()
+        graph, static = self.graph, self.static
+        if graph is None or static is None or static.shape != rows.shape or static.dtype != rows.dtype:
+            self.static = static = torch.empty_like(rows)
+            graph, self._out = capture(lambda: self._step(static), rows.device, pool=self.pool)
+            self.graph = graph
+        static.copy_(rows)
+        graph.replay()
         return self._detach()
 
     def _detach(self) -> StepOutput:
         """The replay's outputs in memory of their own (the next replay of any graph of the pool
         may rewrite the graph's)."""
+        assert self._out is not None  # captured with the graph
         parts = _tensors(self._out)
-        live = [t for t in parts if t is not None]
-        fresh = [torch.empty_like(t) for t in live]
-        copy_all(fresh, live)
-        it = iter(fresh)
-        copies = [None if t is None else next(it) for t in parts]
-        sampled, num_sampled, just_converged, *stats, sc_path_rows = copies
+        fresh = [torch.empty_like(t) for t in parts]
+        copy_all(fresh, parts)
+        sampled, num_sampled, just_converged, *rest = fresh
+        stats, sc_path_rows = rest[:len(ROW_STATS)], rest[len(ROW_STATS):]
         return StepOutput(sampled=sampled, num_sampled=num_sampled, just_converged=just_converged,
-                          stats=RowStats(*stats), sc_path_rows=sc_path_rows)
+                          stats=RowStats(*stats), sc_path_rows=sc_path_rows[0] if sc_path_rows else None)

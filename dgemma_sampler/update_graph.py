@@ -30,7 +30,7 @@ either (``cudaGraphLaunch`` costs host time too), but it is one call.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -39,6 +39,8 @@ from .step import StepOutput
 
 # Eager uses of a tile plan before its parts are captured.
 CAPTURE_AFTER = 1
+
+T = TypeVar("T")
 
 
 def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
@@ -56,7 +58,8 @@ def _escaping(out: StepOutput) -> list[torch.Tensor]:
     return [out.sampled, out.num_sampled, out.just_converged, *out.stats.as_tuple()]
 
 
-def capture(fn: Callable, device: torch.device, pool: Any = None):
+def capture(fn: Callable[[], T], device: torch.device, pool: Any = None
+            ) -> tuple[torch.cuda.CUDAGraph, T]:
     """``(graph, fn())`` with ``fn``'s kernels recorded, not run (run them by replaying); its
     memory from ``pool`` (``torch.cuda.graph_pool_handle()``) when given, else a pool of its own."""
     graph = torch.cuda.CUDAGraph()
@@ -86,7 +89,7 @@ class UpdateGraph:
         self.prologue_calls = self.update_calls = 0
         self.prologue_graph: torch.cuda.CUDAGraph | None = None
         self.graph: torch.cuda.CUDAGraph | None = None  # the update's
-        self._prologue_out = None
+        self._prologue_out: tuple = ()  # the prologue graph's outputs, once captured
         self._inputs: RowStats | None = None
         self._outputs: tuple[StepOutput, torch.Tensor | None] | None = None
         self._aliases: list[int | None] = []
@@ -117,14 +120,16 @@ class UpdateGraph:
             return update(flat)
         if self.graph is None:
             self._capture_update(update, flat)
-        copy_all(list(self._inputs.as_tuple()), list(flat.as_tuple()))
-        self.graph.replay()
+        graph, inputs, outputs = self.graph, self._inputs, self._outputs
+        assert graph is not None and inputs is not None and outputs is not None  # captured together
+        copy_all(list(inputs.as_tuple()), list(flat.as_tuple()))
+        graph.replay()
         self._flat = flat
-        return self._outputs
+        return outputs
 
     def detach(self, out: StepOutput) -> StepOutput:
         """The step's output in memory of its own (the next replay rewrites the graph's)."""
-        if self._flat is None or out is not self._outputs[0]:
+        if self._flat is None or self._outputs is None or out is not self._outputs[0]:
             return out  # an eager update's output is already the caller's
         flat_parts = self._flat.as_tuple()
         self._flat = None
@@ -142,14 +147,16 @@ class UpdateGraph:
         return StepOutput(sampled=sampled, num_sampled=num_sampled, just_converged=just_converged,
                           stats=RowStats(*stats))
 
-    def _capture_update(self, update, flat: RowStats) -> None:
-        self._inputs = RowStats(*(torch.empty_like(t) for t in flat.as_tuple()))
+    def _capture_update(self, update: Callable[..., tuple[StepOutput, torch.Tensor | None]],
+                        flat: RowStats) -> None:
+        self._inputs = buffers = RowStats(*(torch.empty_like(t) for t in flat.as_tuple()))
         # ``gather``: the graph reads seeds and draws from the state itself.
-        self.graph, self._outputs = capture(lambda: update(self._inputs, True), flat.argmax.device)
+        graph, outputs = capture(lambda: update(buffers, True), flat.argmax.device)
+        self.graph, self._outputs = graph, outputs
         # Which escaping outputs are whole, contiguous views of an input buffer.
-        inputs = self._inputs.as_tuple()
+        inputs = buffers.as_tuple()
         self._aliases = [
             next((i for i, x in enumerate(inputs)
                   if t.data_ptr() == x.data_ptr() and t.numel() == x.numel()
                   and t.dtype == x.dtype and t.is_contiguous()), None)
-            for t in _escaping(self._outputs[0])]
+            for t in _escaping(outputs[0])]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Final, Literal
 
 import torch
 
@@ -66,12 +67,12 @@ class StatField:
 
     name: str
     dtype: torch.dtype
-    phantom: object
+    phantom: float | Literal["phantom token", "phantom entropy"]  # a constant, or a PHANTOM_* name
     merge: str
 
 
-PHANTOM_TOKEN = "phantom token"
-PHANTOM_ENTROPY = "phantom entropy"
+PHANTOM_TOKEN: Final = "phantom token"
+PHANTOM_ENTROPY: Final = "phantom entropy"
 ROW_STATS = (
     StatField("argmax", torch.int64, PHANTOM_TOKEN, "winner:z_max"),
     StatField("sample", torch.int64, PHANTOM_TOKEN, "winner:sample_key"),

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import triton
@@ -224,7 +225,7 @@ def _wgmma_module():
     return _WGMMA
 
 
-_WGMMA = False  # not looked up yet
+_WGMMA: ModuleType | None | bool = False  # False: not looked up yet
 
 
 def _launch_wgmma(module, logits, row_request, inv_t, lse, embed_weight, norm_tensor, norm_value,
@@ -390,7 +391,7 @@ def soft_embedding_rows(
         inv_t = contract.inverse_temperature(temperature)
     contract.check_inverse_temperature(inv_t, temperature)
     norm_is_tensor = isinstance(normalizer, torch.Tensor)
-    norm_tensor = normalizer.reshape(1).to(dev) if norm_is_tensor else None
+    norm_tensor = normalizer.reshape(1).to(dev) if isinstance(normalizer, torch.Tensor) else None
     norm_value = 1.0 if norm_is_tensor else float(normalizer)
     sms = num_sms if num_sms is not None else _num_sms(dev)
     module = _wgmma_module() if wgmma or (wgmma is None and dev.type == "cuda") else None

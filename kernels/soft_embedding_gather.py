@@ -103,7 +103,7 @@ def gather_rows(
         inv_t = contract.inverse_temperature(temperature)
     contract.check_inverse_temperature(inv_t, temperature)
     norm_is_tensor = isinstance(normalizer, torch.Tensor)
-    norm_tensor = normalizer.reshape(1).to(logits.device) if norm_is_tensor else lse
+    norm_tensor = normalizer.reshape(1).to(logits.device) if isinstance(normalizer, torch.Tensor) else lse
     if block_h is None:
         block_h = 64 if interpreting() else 512
     grid = (n_rows, triton.cdiv(hidden, block_h))

@@ -27,6 +27,11 @@ run_pytest() {
 
 # The linter first: pyproject.toml's [tool.ruff] configuration, which the code passes.
 ruff check "$ROOT"
+# Then the type checker ([tool.mypy]). It reads the source tree, where kernels/ is not under its
+# installed name, dgemma_sampler.kernels, and it cannot see the editable install's import hook
+# that maps one to the other: link it there, as tools/on_device.sh does (the link is gitignored).
+[ -e "$ROOT/dgemma_sampler/kernels" ] || ln -s ../kernels "$ROOT/dgemma_sampler/kernels"
+mypy "$ROOT/dgemma_sampler"
 
 if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     export TRITON_INTERPRET=1

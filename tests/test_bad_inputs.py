@@ -573,6 +573,7 @@ def test_empty_batch_is_a_no_op():
     before = state.canvas.clone()
     out = sampler.step(torch.randn(0, V), [])
     assert out.num_sampled.numel() == 0 and torch.equal(state.canvas, before)
+    assert out.stats.argmax.shape == (0, 0) and out.sampled.shape == (0, 0)
     s = ds.row_stats(torch.randn(0, W, V), torch.zeros(0), torch.zeros(0, dtype=torch.int64),
                      torch.zeros(0, dtype=torch.int64), backend="torch")
     assert s.argmax.shape == (0, W)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -56,7 +56,51 @@ def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)
 
 
-class FusedSampler:
+if TYPE_CHECKING:
+    class _VllmDiffusionSampler:
+        """What ``FusedSampler`` uses of the vLLM ``DiffusionSampler`` it is mixed into, for type
+        checkers: at run time the mixin's base is ``object`` and these come from the adapter's
+        other base, vLLM's class (``v0_33.py``, ``v0_34.py``)."""
+
+        # Per-slot state: vLLM's diffusion state (the adapter adds ``seeds`` and ``draws``), its
+        # sampling parameters, its request drafts and logprob token ids.
+        diffusion_states: Any
+        sampling_states: Any
+        req_states: Any
+        logprob_token_ids_state: Any
+        # The generation config and the model.
+        t_min: float
+        t_max: float
+        entropy_bound: float
+        confidence_threshold: float
+        canvas_length: int
+        vocab_size: int
+        embed_weight: torch.Tensor
+        normalizer: torch.Tensor | float
+        sc_vocab_start: int  # this rank's self-conditioning slice of the vocabulary
+        sc_vocab_end: int
+        tp_size: int
+        tp_group_name: str
+        logits_mode: bool  # logprobs_mode reports logits (raw or processed), not logprobs
+        # Step outputs and the logprob stash.
+        _sampled: torch.Tensor
+        _num_sampled: torch.Tensor
+        _pending_logprobs: dict[int, LogprobsTensors]
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None: ...
+
+        def add_request(self, req_idx: int, sampling_params: Any) -> None: ...
+
+        def _handle_prefill(self, input_batch: Any, device: torch.device, /) -> Any: ...
+
+        def _build_output(self, input_batch: Any, sampled: torch.Tensor, num_sampled: torch.Tensor,
+                          nlogits_np: np.ndarray, device: torch.device, /, *,
+                          logprobs_tensors: Any) -> Any: ...
+else:
+    _VllmDiffusionSampler = object
+
+
+class FusedSampler(_VllmDiffusionSampler):
     """The release-independent part of ``FusedDiffusionSampler`` (mixed in before vLLM's
     ``DiffusionSampler``, whose constructor arguments it passes through)."""
 

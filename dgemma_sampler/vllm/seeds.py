@@ -22,6 +22,8 @@ import functools
 from ..checks import is_int
 
 SEED_RANGE = (-(2**63), 2**63)  # vLLM keeps request seeds in an int64 array
+# The attribute that marks vLLM's validation as wrapped (``accept_seed`` is idempotent).
+_WRAPPED_MARK = "_dgemma_accepts_seed"
 
 
 def check_seed(seed: object) -> None:
@@ -44,7 +46,7 @@ def accept_seed(architecture: str) -> bool:
     validate = getattr(SamplingParams, "_validate_diffusion", None)
     if validate is None:
         return False
-    if getattr(validate, "_dgemma_accepts_seed", False):
+    if getattr(validate, _WRAPPED_MARK, False):
         return True
 
     @functools.wraps(validate)
@@ -60,7 +62,7 @@ def accept_seed(architecture: str) -> bool:
         unseeded.seed = None
         return validate(unseeded, model_config)
 
-    validate_without_seed._dgemma_accepts_seed = True
+    setattr(validate_without_seed, _WRAPPED_MARK, True)
     SamplingParams._validate_diffusion = validate_without_seed
     return True
 
