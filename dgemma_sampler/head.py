@@ -36,13 +36,17 @@ class Projection:
     overwrite them once read). ``itemsize``: bytes per logit the projection holds at its peak (the
     tile budget). ``softcap``: applied by the kernels that read the logits (None: already applied).
     ``vocab_start``: the logits hold this rank's vocabulary slice ``[vocab_start, vocab_start + C)``
-    only (tensor parallelism); None: every column of the row.
+    only (tensor parallelism); None: every column of the row. ``key``: what the projection reads
+    besides its input (the head's storage, the softcap, the slice), equal for two projections
+    that make the same logits: a step replayed from a CUDA graph (``step_graph.py``) replays only
+    a projection of the key it captured; None: a caller's projection, never captured.
     """
 
     project: Callable[[torch.Tensor, np.ndarray], torch.Tensor]
     itemsize: int
     softcap: float | None = None
     vocab_start: int | None = None
+    key: tuple | None = None
 
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
@@ -98,5 +102,8 @@ class LmHead:
         return out
 
     def projection(self) -> Projection:
-        return Projection(project=self.project, itemsize=self.weight.element_size(),
-                          softcap=self.softcap, vocab_start=self.vocab_start if self.is_slice else None)
+        w = self.weight
+        return Projection(project=self.project, itemsize=w.element_size(), softcap=self.softcap,
+                          vocab_start=self.vocab_start if self.is_slice else None,
+                          key=(w.data_ptr(), tuple(w.shape), tuple(w.stride()), w.dtype,
+                               self.softcap, self.vocab_start, self.backend))

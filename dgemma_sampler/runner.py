@@ -346,11 +346,14 @@ class StepRunner:
         if not (self.graph_update and whole and plan.update_graph is not None
                 and logprobs is None and column_tokens is None):
             return None
+        if projection is not None and projection.key is None:
+            return None  # a caller's projection (vLLM's compute_logits): never captured
         itemsize = rows.element_size() if projection is None else projection.itemsize
         if rows.shape[0] * vocab * itemsize > graphable_bytes():
             return None
         if plan.step_graph is None:
             plan.step_graph = StepGraph(self, plan, projection, pool=self.graph_pool)
+        plan.step_graph.use(projection)
         return plan.step_graph
 
     def plan(self, tile_slots: Sequence[int], starts: np.ndarray, valid: np.ndarray,

@@ -71,6 +71,16 @@ class StepGraph:
         self.static: torch.Tensor | None = None
         self._out: StepOutput | None = None
 
+    def use(self, projection: Projection | None) -> None:
+        """Take the step's projection: one that makes other logits than the captured one's (another
+        head, softcap or slice: another ``Projection.key``) drops the graph, and the plan runs
+        eagerly once and is captured again."""
+        old = None if self.projection is None else self.projection.key
+        new = None if projection is None else projection.key
+        if new != old:
+            self.graph, self.static, self._out, self.calls = None, None, None, 0
+        self.projection = projection
+
     def _step(self, rows: torch.Tensor) -> StepOutput:
         logits = rows
         if self.projection is not None:
