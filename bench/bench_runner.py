@@ -97,13 +97,6 @@ class VllmStandIn:
                draft_tokens=self.draft_tokens, all_slots=self.all_slots, projection=projection)
 
 
-def vllm_compute_logits(weight: torch.Tensor, compile: bool):
-    """DiffusionGemma's ``compute_logits`` as vLLM runs it: the head in bf16, then ``.float()``
-    and the softcap compiled into one kernel (``vllm_paths.compute_logits``)."""
-    project = vllm_paths.compute_logits(weight, SOFTCAP, compile)
-    return lambda hidden: project(hidden)
-
-
 def peaked_hidden(weight: torch.Tensor, rows: int, gen: torch.Generator) -> torch.Tensor:
     """Hidden states each on one head row: ``h = 40 W_t / |W_t|^2`` plus a little noise, so the
     target's logit is ~40 (softcapped ~29) and the others ~N(0, 0.75): at T = 0.8 every token
@@ -206,7 +199,8 @@ def measure(n, args, weight, kernels, device, gen, warmup) -> dict:
         del step
 
     if not args.no_secondary:
-        compute_logits = vllm_compute_logits(weight, cuda)
+        # DiffusionGemma's compute_logits as vLLM runs it (the softcap compiled)
+        compute_logits = vllm_paths.compute_logits(weight, SOFTCAP, cuda)
         s = VllmStandIn(n, args.canvas, args.vocab, args.hidden, weight, device)
         fallback = compute_logits_projection(compute_logits, weight)
         row["adapter_compute_logits_ms"] = _time(lambda: s.step(hidden, fallback), args, warmup,

@@ -242,12 +242,8 @@ class DiffusionSampler:
         widths = state.canvas_width_np[slots].astype(np.int64)
         if valid_len is None:
             valid = widths.copy()
-        else:
+        else:  # (checked by ``_check_step``)
             valid = np.asarray(valid_len, dtype=np.int64)
-            if valid.shape != (n,) or (valid < 1).any() or (valid > widths).any():
-                raise ValueError(
-                    "valid_len must hold one length per slot, each in [1, that slot's canvas width]"
-                )
         hidden_input = hidden_states is not None
         head_weight = None  # ``output_weight``, checked, with hidden-state input
         if hidden_states is not None:
