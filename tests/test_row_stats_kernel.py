@@ -45,6 +45,10 @@ def _masked_z(logits, row_request, temperature, softcap, threshold, allowed):
     """fp32 z exactly as the oracle forms it, -inf where masked; float64 copy for sums."""
     req = row_request.long()
     x = reference.softcapped(logits, softcap)
+    if softcap is not None:
+        # The kernel's threshold is its own softcap of the boundary logit, a few ulp from
+        # torch's: compare with that slack, or the boundary token may flip.
+        threshold = threshold - 1e-6 * threshold.abs()
     masked = torch.isnan(x) | (x == float("-inf")) | (x < threshold.unsqueeze(1))
     if allowed is not None:
         masked |= ~allowed[req]
