@@ -51,9 +51,10 @@ on an SM, 4 per scheduler). What keeps each warp busy:
   a loop that Triton pipelines ``TMA_STAGES`` deep, so the bytes in flight no longer cost
   registers. The ragged last group is left to the register walk, whose masked loads give
   -inf (TMA pads zeros).
-* Split walk (``PARTS``, config ``part_blocks``; by default 32 blocks for fp32 logits, off
-  for 16-bit ones, see ``default_config``): at 1 request the 256 rows give two one-warp
-  programs per SM, too few to keep the memory busy whatever each one does. Each row's walk
+* Split walk (``PARTS``, config ``part_blocks``; by default 32 blocks for fp32 logits, 8
+  for 16-bit ones with a softcap, off for 16-bit ones without, see ``default_config``): at 1
+  request the 256 rows give two one-warp programs per SM, too few to keep the memory (or,
+  with a softcap's tanh per entry, the ALUs) busy whatever each one does. Each row's walk
   is then cut into parts of ``part_blocks`` sampling blocks, one program each. A part walks
   exactly as the whole row would, except that its running maximum starts afresh; it files
   its row state (max, arg-max, sums, NaN flag, best block key and column) in a scratch slot
@@ -802,7 +803,7 @@ def _empty_stats(n_rows: int, device: torch.device) -> RowStats:
     return RowStats.empty(n_rows, device)
 
 
-def default_config(logits: torch.Tensor) -> dict:
+def default_config(logits: torch.Tensor, softcap: float | None = None) -> dict:
     """Launch configuration of the stats pass (the alternatives timed against it are in
     ``docs/performance-history.md``).
 
@@ -814,7 +815,11 @@ def default_config(logits: torch.Tensor) -> dict:
     # SM). Every dtype takes the descriptor walk where it applies (``_tma_walk``), 3 stages
     # for fp32 and 4 for 16-bit logits. fp32 logits split the walk into parts of 32 sampling
     # blocks (``vocabulary_parts``): it fills the GPU at few requests for a few percent at
-    # many; 16-bit logits lose more at many requests than they gain at few, and stay whole.
+    # many. 16-bit logits without a softcap stream at 2 bytes an entry, lose more at many
+    # requests than they gain at few, and stay whole; with a softcap (the hidden-state path)
+    # the tanh makes each entry cost ~25 instructions, the pass is bound by the ALUs, and
+    # parts of 8 blocks fill them at few requests. The softcap is the model's, never the
+    # batch's.
     # Nothing here may depend on the number of rows: the block size, the walk (register or
     # descriptor: their per-lane sums run in another order) and the split set the rounding
     # of lse and entropy, and a request's bits may not depend on how the dispatcher tiled the
@@ -822,7 +827,8 @@ def default_config(logits: torch.Tensor) -> dict:
     # (tests/test_row_stats_kernel.py::test_walk_shape_changes_no_bit).
     fp32 = logits.element_size() == 4
     return dict(block=256, num_warps=1, group=4, prefetch=1, num_stages=1, maxnreg=None,
-                fast_exp2=True, key_buffer=64, tma=True, part_blocks=32 if fp32 else None,
+                fast_exp2=True, key_buffer=64, tma=True,
+                part_blocks=32 if fp32 else (8 if softcap else None),
                 tma_stages=3 if fp32 else 4)
 
 
@@ -939,7 +945,7 @@ def row_stats_rows(
             sample_block=sample_block, sample_key=sample_key,
             **(config or {}).get("threshold", {}),
         )
-    cfg = {**default_config(logits), **{k: v for k, v in (config or {}).items() if k != "threshold"}}
+    cfg = {**default_config(logits, softcap), **{k: v for k, v in (config or {}).items() if k != "threshold"}}
     block = min(cfg["block"], sample_block, max(16, triton.next_power_of_2(vocab)))
     group, prefetch = walk_shape(cfg, block, sample_block)
     aligned = vocab_offset % sample_block == 0
