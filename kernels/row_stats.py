@@ -51,7 +51,7 @@ on an SM, 4 per scheduler). What keeps each warp busy:
   a loop that Triton pipelines ``TMA_STAGES`` deep, so the bytes in flight no longer cost
   registers. The ragged last group is left to the register walk, whose masked loads give
   -inf (TMA pads zeros).
-* Split walk (``PARTS``, config ``part_blocks``; by default 32 blocks for fp32 logits, 8
+* Split walk (``PARTS``, config ``part_blocks``; by default 32 blocks for fp32 logits and
   for 16-bit ones with a softcap, off for 16-bit ones without, see ``default_config``): at 1
   request the 256 rows give two one-warp programs per SM, too few to keep the memory (or,
   with a softcap's tanh per entry, the ALUs) busy whatever each one does. Each row's walk
@@ -817,9 +817,9 @@ def default_config(logits: torch.Tensor, softcap: float | None = None) -> dict:
     # blocks (``vocabulary_parts``): it fills the GPU at few requests for a few percent at
     # many. 16-bit logits without a softcap stream at 2 bytes an entry, lose more at many
     # requests than they gain at few, and stay whole; with a softcap (the hidden-state path)
-    # the tanh makes each entry cost ~25 instructions, the pass is bound by the ALUs, and
-    # parts of 8 blocks fill them at few requests. The softcap is the model's, never the
-    # batch's.
+    # the tanh makes each entry cost ~25 instructions and parts of 32 blocks pay at one
+    # request for a few percent at many (smaller parts cost more at many requests than they
+    # gain at one). The softcap is the model's, never the batch's.
     # Nothing here may depend on the number of rows: the block size, the walk (register or
     # descriptor: their per-lane sums run in another order) and the split set the rounding
     # of lse and entropy, and a request's bits may not depend on how the dispatcher tiled the
@@ -828,7 +828,7 @@ def default_config(logits: torch.Tensor, softcap: float | None = None) -> dict:
     fp32 = logits.element_size() == 4
     return dict(block=256, num_warps=1, group=4, prefetch=1, num_stages=1, maxnreg=None,
                 fast_exp2=True, key_buffer=64, tma=True,
-                part_blocks=32 if fp32 else (8 if softcap else None),
+                part_blocks=32 if fp32 or softcap else None,
                 tma_stages=3 if fp32 else 4)
 
 
