@@ -585,6 +585,18 @@ def test_vocabulary_parts_bits_independent_of_rows(interpret):
         assert torch.equal(getattr(few, name), getattr(whole, name)[pick]), name
 
 
+def test_default_split_follows_dtype_and_softcap_only():
+    """The split sets the rounding of lse and entropy, so it may follow the logits' dtype and
+    the model's softcap but never the number of rows: fp32 rows and softcapped 16-bit rows
+    split into parts of 32 sampling blocks, other 16-bit rows stay whole."""
+    for rows in (1, 256, 8192):
+        for dtype, softcap, blocks in ((torch.float32, None, 32), (torch.float32, 30.0, 32),
+                                       (torch.bfloat16, None, None), (torch.float16, None, None),
+                                       (torch.bfloat16, 30.0, 32), (torch.float16, 0.5, 32)):
+            cfg = rs.default_config(torch.empty(rows, 8, dtype=dtype), softcap)
+            assert cfg["part_blocks"] == blocks, (rows, dtype, softcap)
+
+
 @pytest.mark.parametrize("blocks", [-1, 2.0, "2", True])
 def test_vocabulary_parts_config_rejects(interpret, blocks):
     with pytest.raises(ValueError, match="part_blocks"):
