@@ -80,12 +80,12 @@ def transient_bytes(fn, cuda: bool) -> float | None:
     return float(torch.cuda.max_memory_allocated() - base)
 
 
-def make_sampler(n, canvas, vocab, hidden, embed, backend, device, tail_eps=None):
+def make_sampler(n, canvas, vocab, hidden, embed, backend, device, tail_eps=None, softcap=None):
     """A sampler of ``n`` requests that never converge: every timed step is a denoise step
     with its soft embedding. ``tail_eps`` None: the configuration's default."""
     extra = {} if tail_eps is None else {"tail_eps": tail_eps}
     cfg = ds.SamplerConfig(canvas_length=canvas, confidence_threshold=0.0,
-                           max_denoising_steps=1_000_000, **extra)
+                           max_denoising_steps=1_000_000, softcap=softcap, **extra)
     state = ds.DiffusionState(n, cfg, vocab, hidden, device)
     for s in range(n):
         state.add_request(s, seed=1000 + s)

@@ -224,9 +224,7 @@ class StepRunner:
         # outputs are copied out before anything else runs (``step_graph.py``).
         self.graph_pool = torch.cuda.graph_pool_handle() if self.graph_update else None
         self.kernels = kernels(backend)
-        self.stats_fn, self.soft_fn, self.logprobs_fn = (
-            self.kernels.row_stats_rows, self.kernels.soft_embedding_rows,
-            self.kernels.token_logprobs_rows)
+        self.logprobs_fn = self.kernels.token_logprobs_rows
         if cfg.tail_eps > 0 and embed_weight is not None:
             # The support pass's bin weights, built here: the first step may run inside a CUDA
             # graph capture, where a host-to-device copy is not allowed.

@@ -180,8 +180,7 @@ class DiffusionSampler:
             backend=self.backend, vocab_size=state.vocab_size, vocab_start=vocab_start,
             sc_reduce=sc_reduce, tp_group=tp_group, memory_fraction=memory_fraction,
             budget_bytes=budget_bytes, graph_update=graph_update)
-        self.stats_fn, self.soft_fn, self.logprobs_fn = (
-            self.runner.stats_fn, self.runner.soft_fn, self.runner.logprobs_fn)
+        self.logprobs_fn = self.runner.logprobs_fn
         self.pending_logprobs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     # ---------------------------------------------------------------- plumbing

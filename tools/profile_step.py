@@ -12,6 +12,13 @@ three ways and prints a torch.profiler table of the host-side operators:
               row-statistics call, the soft-embedding call and the rest (planning, state update).
 
     python tools/profile_step.py --requests 1,32
+    python tools/profile_step.py --requests 1,32 --hidden-states
+
+``--hidden-states`` (both modes): the step from bf16 hidden states through the tied bf16 head
+with DiffusionGemma's softcap (``DiffusionSampler.step(hidden_states=..., output_weight=E)``,
+the path of the vLLM 0.34 adapter) instead of from fp32 logits. Batches whose logits fit a
+whole-step graph (``step_graph.py``) replay it inside ``step``, so there the host phases are
+those of the replay; the separate ``graph`` figure is not measured in this mode.
 
 Count mode (``--count``, any device; on a CPU the Triton kernels run in the interpreter,
 ``TRITON_INTERPRET=1`` is set for you). It runs a few steps of the Triton backend at a small
@@ -29,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import os
 import statistics
@@ -47,6 +55,8 @@ from bench_step import device_timer, make_sampler  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+SOFTCAP = 30.0  # DiffusionGemma's final_logit_softcapping
+
 
 def host_phases(sampler, step, reps):
     """Median host milliseconds of ``step`` and of its row-statistics / soft-embedding calls,
@@ -62,8 +72,12 @@ def host_phases(sampler, step, reps):
                 spent[name] += time.perf_counter() - t0
         return wrapper
 
-    stats_fn, soft_fn = sampler.stats_fn, sampler.soft_fn
-    sampler.stats_fn, sampler.soft_fn = timed("stats", stats_fn), timed("soft", soft_fn)
+    # The runner calls its backend's kernels through ``runner.kernels`` (``backend.Kernels``).
+    runner = sampler.runner
+    kernels = runner.kernels
+    runner.kernels = dataclasses.replace(
+        kernels, row_stats_rows=timed("stats", kernels.row_stats_rows),
+        soft_embedding_rows=timed("soft", kernels.soft_embedding_rows))
     rows = []
     try:
         for _ in range(reps):
@@ -74,7 +88,7 @@ def host_phases(sampler, step, reps):
             total = time.perf_counter() - t0
             rows.append((total, spent["stats"], spent["soft"]))
     finally:
-        sampler.stats_fn, sampler.soft_fn = stats_fn, soft_fn
+        runner.kernels = kernels
         torch.cuda.synchronize()
     total, stats, soft = (statistics.median(c) * 1e3 for c in zip(*rows))
     return {"host_ms": total, "host_stats_ms": stats, "host_soft_ms": soft,
@@ -210,29 +224,40 @@ class _TritonLaunches:
             cls.run = orig
 
 
-def count_step(n, canvas, vocab, hidden, steps, device, backend, top):
+def stepper(n, canvas, vocab, hidden, embed, backend, device, gen, hidden_states):
+    """(sampler, step) for ``n`` requests: a step from fp32 logits, or from bf16 hidden states
+    through the tied head ``embed`` with DiffusionGemma's softcap."""
+    slots = list(range(n))
+    if hidden_states:
+        sampler = make_sampler(n, canvas, vocab, hidden, embed, backend, device, softcap=SOFTCAP)
+        h = torch.randn(n * canvas, hidden, device=device, generator=gen).to(embed.dtype)
+        return sampler, lambda: sampler.step(None, slots, hidden_states=h, output_weight=embed)
+    sampler = make_sampler(n, canvas, vocab, hidden, embed, backend, device)
+    logits = torch.randn(n * canvas, vocab, device=device, generator=gen) * 3
+    return sampler, lambda: sampler.step(logits, slots)
+
+
+def count_step(n, canvas, vocab, hidden, steps, device, backend, top, hidden_states=False):
     """Per-step host work of ``sampler.step`` (after one warm-up step)."""
     gen = torch.Generator(device=device).manual_seed(0)
     embed = (torch.randn(vocab, hidden, device=device, generator=gen) * 0.02).to(torch.bfloat16)
-    logits = torch.randn(n * canvas, vocab, device=device, generator=gen) * 3
-    sampler = make_sampler(n, canvas, vocab, hidden, embed, backend, device)
-    slots = list(range(n))
-    sampler.step(logits, slots)  # warm-up: compiles / rewrites the kernels
+    sampler, step = stepper(n, canvas, vocab, hidden, embed, backend, device, gen, hidden_states)
+    step()  # warm-up: compiles / rewrites the kernels
     aten, moves = _AtenCounter(), _TransferCounter(torch.device(device))
     with _TritonLaunches(aten) as triton_runs, moves, aten:
         t0 = time.perf_counter()
         for _ in range(steps):
-            sampler.step(logits, slots)
+            step()
         wall = (time.perf_counter() - t0) * 1e3 / steps
-    # A step whose batch shape is new (no cached tile plan, where the sampler keeps one).
-    if hasattr(sampler, "_plans"):
-        sampler._plans.clear()
+    # A step whose batch shape is new (no cached tile plan).
+    sampler.runner.plans.clear()
     aten1, moves1 = _AtenCounter(), _TransferCounter(torch.device(device))
     with _TritonLaunches(aten1), moves1, aten1:
-        sampler.step(logits, slots)
+        step()
     per = lambda c: c / steps  # noqa: E731
     res = {
         "requests": n, "canvas": canvas, "vocab": vocab, "device": str(device), "backend": backend,
+        "input": "hidden states" if hidden_states else "logits",
         "new_shape_aten_launching_ops": sum(aten1.ops.values()),
         "new_shape_h2d_copies": sum(moves1.h2d.values()),
         "new_shape_h2d_pageable": moves1.h2d["pageable"],
@@ -255,10 +280,10 @@ def count_main(args) -> None:
     results = []
     for n in [int(r) for r in args.requests.split(",")]:
         results.append(count_step(n, args.canvas, args.vocab, args.hidden, args.steps, device,
-                                  args.backend, args.rows))
+                                  args.backend, args.rows, args.hidden_states))
     for r in results:
         print(f"\n== {r['requests']} requests x {r['canvas']} x {r['vocab']} on {r['device']} "
-              f"({r['backend']} backend): top aten ops per step")
+              f"({r['backend']} backend, from {r['input']}): top aten ops per step")
         for k, v in r["top_ops"].items():
             print(f"  {k:<28s} {v:6.1f}")
         print("  launching ops by file: " + ", ".join(f"{k} {v:.0f}" for k, v in r["ops_by_file"].items()))
@@ -297,6 +322,9 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=25, help="profiler table rows")
     p.add_argument("--cprofile", action="store_true",
                    help="timing mode: also print cProfile's top functions (cumulative) of the eager steps")
+    p.add_argument("--hidden-states", action="store_true",
+                   help="the step from bf16 hidden states through the tied head (softcap "
+                        f"{SOFTCAP}) instead of from fp32 logits")
     p.add_argument("--out", default=None, help="also write the results as JSON here")
     args = p.parse_args()
     small = args.count
@@ -311,25 +339,27 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     embed = (torch.randn(args.vocab, args.hidden, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
     for n in [int(r) for r in args.requests.split(",")]:
-        logits = torch.randn(n * args.canvas, args.vocab, device="cuda", generator=gen) * 3
-        sampler = make_sampler(n, args.canvas, args.vocab, args.hidden, embed, "auto", "cuda")
+        sampler, step = stepper(n, args.canvas, args.vocab, args.hidden, embed, "auto", "cuda",
+                                gen, args.hidden_states)
         slots = list(range(n))
-        step = lambda: sampler.step(logits, slots)  # noqa: E731
         for _ in range(3):
             step()
         ev = device_timer(step, 0, args.reps, True)
         wall = wall_ms(step, args.reps)
         host = host_phases(sampler, step, args.reps)
-        run = sampler.graphable(slots)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            run(logits)  # warm-up outside capture
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run(logits)
-        graph_ms = device_timer(graph.replay, 0, args.reps, True)
+        graph_ms = float("nan")
+        if not args.hidden_states:
+            logits = torch.randn(n * args.canvas, args.vocab, device="cuda", generator=gen) * 3
+            run = sampler.graphable(slots)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                run(logits)  # warm-up outside capture
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                run(logits)
+            graph_ms = device_timer(graph.replay, 0, args.reps, True)
         print(f"\n== {n} requests: events {ev:.3f} ms  wall {wall:.3f} ms  graph replay {graph_ms:.3f} ms"
               f"  host {host['host_ms']:.3f} ms (row stats {host['host_stats_ms']:.3f}, soft embedding"
               f" {host['host_soft_ms']:.3f}, rest {host['host_rest_ms']:.3f})")
@@ -356,7 +386,7 @@ def main() -> None:
         ka = prof.key_averages()
         print(ka.table(sort_by="self_cpu_time_total", row_limit=args.rows))
         print(ka.table(sort_by="self_device_time_total", row_limit=12))
-        logits = sampler = graph = None  # free before the next size
+        logits = sampler = step = graph = run = None  # free before the next size
         torch.cuda.empty_cache()
     print("\nrequests  events ms  wall ms  graph replay ms  host ms (row stats / soft emb. / rest)")
     for r in results:
