@@ -51,11 +51,10 @@ if "--count" in sys.argv and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from bench_runner import SOFTCAP  # noqa: E402
 from bench_step import device_timer, make_sampler  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-
-SOFTCAP = 30.0  # DiffusionGemma's final_logit_softcapping
 
 
 def host_phases(sampler, step, reps):
@@ -225,23 +224,24 @@ class _TritonLaunches:
 
 
 def stepper(n, canvas, vocab, hidden, embed, backend, device, gen, hidden_states):
-    """(sampler, step) for ``n`` requests: a step from fp32 logits, or from bf16 hidden states
-    through the tied head ``embed`` with DiffusionGemma's softcap."""
+    """(sampler, step, input) for ``n`` requests: a step from fp32 logits (the input), or from
+    bf16 hidden states (the input) through the tied head ``embed`` with DiffusionGemma's
+    softcap."""
     slots = list(range(n))
     if hidden_states:
         sampler = make_sampler(n, canvas, vocab, hidden, embed, backend, device, softcap=SOFTCAP)
         h = torch.randn(n * canvas, hidden, device=device, generator=gen).to(embed.dtype)
-        return sampler, lambda: sampler.step(None, slots, hidden_states=h, output_weight=embed)
+        return sampler, lambda: sampler.step(None, slots, hidden_states=h, output_weight=embed), h
     sampler = make_sampler(n, canvas, vocab, hidden, embed, backend, device)
     logits = torch.randn(n * canvas, vocab, device=device, generator=gen) * 3
-    return sampler, lambda: sampler.step(logits, slots)
+    return sampler, lambda: sampler.step(logits, slots), logits
 
 
 def count_step(n, canvas, vocab, hidden, steps, device, backend, top, hidden_states=False):
     """Per-step host work of ``sampler.step`` (after one warm-up step)."""
     gen = torch.Generator(device=device).manual_seed(0)
     embed = (torch.randn(vocab, hidden, device=device, generator=gen) * 0.02).to(torch.bfloat16)
-    sampler, step = stepper(n, canvas, vocab, hidden, embed, backend, device, gen, hidden_states)
+    sampler, step, _ = stepper(n, canvas, vocab, hidden, embed, backend, device, gen, hidden_states)
     step()  # warm-up: compiles / rewrites the kernels
     aten, moves = _AtenCounter(), _TransferCounter(torch.device(device))
     with _TritonLaunches(aten) as triton_runs, moves, aten:
@@ -339,8 +339,8 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     embed = (torch.randn(args.vocab, args.hidden, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
     for n in [int(r) for r in args.requests.split(",")]:
-        sampler, step = stepper(n, args.canvas, args.vocab, args.hidden, embed, "auto", "cuda",
-                                gen, args.hidden_states)
+        sampler, step, source = stepper(n, args.canvas, args.vocab, args.hidden, embed, "auto",
+                                        "cuda", gen, args.hidden_states)
         slots = list(range(n))
         for _ in range(3):
             step()
@@ -348,17 +348,16 @@ def main() -> None:
         wall = wall_ms(step, args.reps)
         host = host_phases(sampler, step, args.reps)
         graph_ms = float("nan")
-        if not args.hidden_states:
-            logits = torch.randn(n * args.canvas, args.vocab, device="cuda", generator=gen) * 3
+        if not args.hidden_states:  # source: the step's logits
             run = sampler.graphable(slots)
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                run(logits)  # warm-up outside capture
+                run(source)  # warm-up outside capture
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                run(logits)
+                run(source)
             graph_ms = device_timer(graph.replay, 0, args.reps, True)
         print(f"\n== {n} requests: events {ev:.3f} ms  wall {wall:.3f} ms  graph replay {graph_ms:.3f} ms"
               f"  host {host['host_ms']:.3f} ms (row stats {host['host_stats_ms']:.3f}, soft embedding"
@@ -386,7 +385,7 @@ def main() -> None:
         ka = prof.key_averages()
         print(ka.table(sort_by="self_cpu_time_total", row_limit=args.rows))
         print(ka.table(sort_by="self_device_time_total", row_limit=12))
-        logits = sampler = step = graph = run = None  # free before the next size
+        source = sampler = step = graph = run = None  # free before the next size
         torch.cuda.empty_cache()
     print("\nrequests  events ms  wall ms  graph replay ms  host ms (row stats / soft emb. / rest)")
     for r in results:
