@@ -123,6 +123,18 @@ def check_inverse_temperature(inv_t: torch.Tensor, temperature: torch.Tensor) ->
         f"{inv_t.dtype} {tuple(inv_t.shape)} on {inv_t.device}"
 
 
+def split_normalizer(normalizer: float | torch.Tensor,
+                     device: torch.device) -> tuple[torch.Tensor | None, float]:
+    """A soft-embedding normalizer as the kernels take it, ``(tensor, value)``: a one-element
+    tensor moved to ``device`` and a placeholder 1.0, or None and the number. A tensor (a sum
+    computed on the device) is read by the kernel, so a captured graph replays what it holds; a
+    number is baked into the launch."""
+    if isinstance(normalizer, torch.Tensor):
+        assert normalizer.numel() == 1, normalizer.shape
+        return normalizer.reshape(1).to(device), 1.0
+    return None, float(normalizer)
+
+
 def check_tail_eps(tail_eps: object) -> None:
     """ValueError unless ``tail_eps`` is 0 or a finite float in ``[MIN_TAIL_EPS, MAX_TAIL_EPS]``
     (the one rule of ``SamplerConfig``, ``ops.soft_embedding`` and ``support``)."""

@@ -377,7 +377,6 @@ def soft_embedding_rows(
     """
     _check_inputs(logits, row_request, temperature, lse, embed_weight, keep, threshold, allowed,
                   vocab_start, out, out_index, num_kept)
-    assert not isinstance(normalizer, torch.Tensor) or normalizer.numel() == 1, normalizer.shape
     assert softcap is None or 0 < softcap < float("inf"), softcap
     n_rows = logits.shape[0]
     v_local, hidden = embed_weight.shape
@@ -390,9 +389,7 @@ def soft_embedding_rows(
     if inv_t is None:
         inv_t = contract.inverse_temperature(temperature)
     contract.check_inverse_temperature(inv_t, temperature)
-    norm_is_tensor = isinstance(normalizer, torch.Tensor)
-    norm_tensor = normalizer.reshape(1).to(dev) if isinstance(normalizer, torch.Tensor) else None
-    norm_value = 1.0 if norm_is_tensor else float(normalizer)
+    norm_tensor, norm_value = contract.split_normalizer(normalizer, dev)
     sms = num_sms if num_sms is not None else _num_sms(dev)
     module = _wgmma_module() if wgmma or (wgmma is None and dev.type == "cuda") else None
     # A given operand where the caller allows it (it takes the masks and the softcap too).

@@ -102,17 +102,16 @@ def gather_rows(
     if inv_t is None:
         inv_t = contract.inverse_temperature(temperature)
     contract.check_inverse_temperature(inv_t, temperature)
-    norm_is_tensor = isinstance(normalizer, torch.Tensor)
-    norm_tensor = normalizer.reshape(1).to(logits.device) if isinstance(normalizer, torch.Tensor) else lse
+    norm_tensor, norm_value = contract.split_normalizer(normalizer, logits.device)
     if block_h is None:
         block_h = 64 if interpreting() else 512
     grid = (n_rows, triton.cdiv(hidden, block_h))
     gather_kernel[grid](
-        logits, row_request, inv_t, lse, path, count, ids, embed_weight, norm_tensor, out,
+        logits, row_request, inv_t, lse, path, count, ids, embed_weight,
+        lse if norm_tensor is None else norm_tensor, out,
         lse if out_index is None else out_index,
         hidden, vocab_start, logits.stride(0), embed_weight.stride(0), out.stride(0),
-        1.0 if norm_is_tensor else float(normalizer),
-        HAS_OUT_INDEX=out_index is not None, NORM_IS_TENSOR=norm_is_tensor,
+        norm_value, HAS_OUT_INDEX=out_index is not None, NORM_IS_TENSOR=norm_tensor is not None,
         SOFTCAP=0.0 if softcap is None else float(softcap), K=ids.shape[1],
         BLOCK_H=block_h, num_warps=4,
     )
