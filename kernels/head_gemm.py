@@ -41,6 +41,7 @@ order, the same bits.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +65,27 @@ class HeadConfig:
     group_m: int
     num_warps: int
     num_stages: int
+
+    @property
+    def spec(self) -> str:
+        """``"BMxBNxBK/gGROUP_M/wWARPS/sSTAGES"``, the form ``parse`` reads (the tools' names)."""
+        return (f"{self.block_m}x{self.block_n}x{self.block_k}/g{self.group_m}/w{self.num_warps}"
+                f"/s{self.num_stages}")
+
+    @classmethod
+    def parse(cls, spec: str) -> HeadConfig:
+        """``"128x256x64/g8/w8/s3"`` -> ``HeadConfig(128, 256, 64, 8, 8, 3)``; ValueError otherwise."""
+        m = re.fullmatch(r"(\d+)x(\d+)x(\d+)/g(\d+)/w(\d+)/s(\d+)", spec.strip())
+        if m is None:
+            raise ValueError(f"a tile is BMxBNxBK/gGROUP_M/wWARPS/sSTAGES, e.g. 128x256x64/g8/w8/s3; "
+                             f"got {spec!r}")
+        bm, bn, bk, g, w, s = (int(x) for x in m.groups())
+        for name, value in (("BM", bm), ("BN", bn), ("BK", bk)):
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {value} in {spec!r}")
+        if g < 1 or w not in (1, 2, 4, 8, 16) or s < 1:
+            raise ValueError(f"GROUP_M >= 1, WARPS in 1..16 (a power of two), STAGES >= 1: {spec!r}")
+        return cls(bm, bn, bk, g, w, s)
 
 
 CONFIG = HeadConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3)

@@ -22,7 +22,8 @@ installed there (``tests/`` runs it that way).
 
 ``--head`` compiles the LM-head projection (``head_gemm.py``, bf16, TMA and pointer loads) and
 the pass that writes the soft-embedding operand over its logits (``soft_embedding_operand.py``),
-and reports their registers, spills and shared memory.
+and reports their registers, spills and shared memory; with ``--head-configs TILES`` it compiles
+those head tiles instead and says which would launch (``tools/head_configs.py`` times them).
 
 ``--row-stats`` compiles the row-statistics kernel instead (fp32 / bf16 logits, the descriptor
 walk, unsplit and split into parts) and checks, in the split kernel's PTX, what its merge
@@ -127,9 +128,16 @@ def compile_row_stats(args, ptxas: str) -> bool:
     return ok
 
 
-def compile_head(ptxas: str) -> bool:
+# Shared memory one block may use on sm_90 (H100 and H200: 227 KiB): a kernel that asks for
+# more compiles but does not launch.
+SM90_MAX_SHARED = 232448
+
+
+def compile_head(ptxas: str, configs: str | None = None) -> bool:
     """Compile ``head_gemm.project`` at DiffusionGemma's shape (bf16, TMA and pointer loads) as
-    an H100/H200 would run it; report registers, spills and shared memory."""
+    an H100/H200 would run it; report registers, spills and shared memory. ``configs``:
+    comma-separated tiles (``HeadConfig.parse``) compiled with TMA instead, each marked by whether
+    it would launch (shared memory). Returns whether all compiled (and fit)."""
     import torch
 
     from dgemma_sampler.kernels import contract
@@ -139,8 +147,21 @@ def compile_head(ptxas: str) -> bool:
     contract.sm_count = lambda device: 132
     ok = True
     m, v, h = 8192, 262144, 2816
+    hidden, weight = torch.empty(m, h, dtype=torch.bfloat16), torch.empty(v, h, dtype=torch.bfloat16)
+    if configs:
+        for spec in configs.split(","):
+            cfg = hg.HeadConfig.parse(spec)
+            hg.project(hidden, weight, hg.empty_logits(m, v, torch.bfloat16, hidden.device),
+                       config=cfg, tma=True)
+            kernel = compiled[-1]
+            with tempfile.TemporaryDirectory() as tmp:
+                report, lines = assemble(ptxas, kernel.asm["ptx"], os.path.join(tmp, "k.cubin"))
+            fits = kernel.metadata.shared <= SM90_MAX_SHARED
+            print(f"{cfg.spec:22s} shared {kernel.metadata.shared} B "
+                  f"({'launches' if fits else 'TOO MUCH: does not launch'}) | " + " | ".join(lines))
+            ok &= fits and report.returncode == 0
+        return ok
     for tma in (True, False):
-        hidden, weight = torch.empty(m, h, dtype=torch.bfloat16), torch.empty(v, h, dtype=torch.bfloat16)
         hg.project(hidden, weight, hg.empty_logits(m, v, torch.bfloat16, hidden.device), tma=tma)
         kernel = compiled[-1]
         with tempfile.TemporaryDirectory() as tmp:
@@ -173,6 +194,9 @@ def main() -> None:
                     "instructions per warp and K step)")
     ap.add_argument("--dtypes", default="float32,bfloat16,float16", help="logits dtypes to compile")
     ap.add_argument("--head", action="store_true", help="compile the LM-head projection instead")
+    ap.add_argument("--head-configs", metavar="TILES", help="with --head: compile these head tiles "
+                    "(BMxBNxBK/gGROUP_M/wWARPS/sSTAGES, comma-separated; tools/head_configs.py "
+                    "times them) and say which would launch")
     ap.add_argument("--row-stats", action="store_true", help="compile the row-statistics kernel "
                     "(unsplit and split walk) instead of the GEMM")
     args = ap.parse_args()
@@ -213,7 +237,7 @@ def main() -> None:
     if args.row_stats:
         sys.exit(0 if compile_row_stats(args, ptxas) else 1)
     if args.head:
-        sys.exit(0 if compile_head(ptxas) else 1)
+        sys.exit(0 if compile_head(ptxas, args.head_configs) else 1)
 
     from dgemma_sampler.kernels import soft_embedding_dispatch as se
     from dgemma_sampler.kernels import soft_embedding_wgmma as wg
