@@ -2,8 +2,9 @@
 
 For each number of decoding requests (DiffusionGemma's shape: CL 256, V 262144, H 2816, a bf16
 tied head, softcap 30, broad rows, default configuration) it times in one run, one decode step
-each (median of CUDA-event timings after warm-up; transient memory = peak allocation beyond
-what existed before the step):
+each (median of CUDA-event timings after warm-up, the rows below timed in turns so that the
+card's clock drift during the run weighs on all of them alike; transient memory = peak
+allocation beyond what existed before the step):
 
 * ``floor`` — the two cuBLAS GEMMs a step from hidden states cannot avoid, each alone: the head
   ``hidden @ W^T`` (bf16 out) and the soft embedding ``p @ E`` (``vllm_paths.two_gemm_floor``);
@@ -44,7 +45,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import record  # noqa: E402
 import vllm_paths  # noqa: E402
-from bench_step import GIB, device_timer, transient_bytes  # noqa: E402
+from bench_step import GIB, device_timer, interleaved_timer, transient_bytes  # noqa: E402
 
 import dgemma_sampler as ds  # noqa: E402
 from dgemma_sampler.head import LmHead  # noqa: E402
@@ -158,26 +159,17 @@ def _time(fn, args, warmup, cuda):
 
 
 def measure(n, args, weight, kernels, device, gen, warmup) -> dict:
-    """One row of the table at ``n`` requests."""
+    """One row of the table at ``n`` requests. The floor's two GEMMs, the adapter, the native
+    path and vLLM's are timed in turns (``interleaved_timer``), so that their ratios do not carry
+    the card's clock drift; the secondary rows one after the other."""
     cuda = device == "cuda"
     rows = n * args.canvas
     hidden = torch.randn(rows, args.hidden, generator=gen, device=device).to(torch.bfloat16)
     row: dict = {"requests": n}
 
     gemms = vllm_paths.two_gemm_floor(hidden, weight, weight)
-    row["floor_head_ms"] = _time(gemms.head, args, warmup, cuda)
-    row["floor_soft_ms"] = _time(gemms.soft_embedding, args, warmup, cuda)
-    row["floor_ms"] = row["floor_head_ms"] + row["floor_soft_ms"]
-    del gemms
-
     s = VllmStandIn(n, args.canvas, args.vocab, args.hidden, weight, device)
     projection = s.head.projection()
-    adapter = lambda: s.step(hidden, projection)
-    row["adapter_ms"] = _time(adapter, args, warmup, cuda)
-    row["adapter_transient_bytes"] = transient_bytes(adapter, cuda)
-    row["adapter_tile_requests"] = s.runner.last_tile_requests
-    del s
-
     cfg = never_converging(args.canvas)
     state = ds.DiffusionState(n, cfg, args.vocab, args.hidden, device)
     for slot in range(n):
@@ -185,18 +177,25 @@ def measure(n, args, weight, kernels, device, gen, warmup) -> dict:
     sampler = ds.DiffusionSampler(cfg, state, weight, float(args.hidden) ** 0.5)
     sampler.prefill(list(range(n)))
     slots = list(range(n))
-    row["native_ms"] = _time(lambda: sampler.step(None, slots, hidden_states=hidden,
-                                                  output_weight=weight), args, warmup, cuda)
-    del state
-
+    timed = {"floor_head": gemms.head, "floor_soft": gemms.soft_embedding,
+             "adapter": lambda s=s: s.step(hidden, projection),
+             "native": lambda sampler=sampler: sampler.step(None, slots, hidden_states=hidden,
+                                                            output_weight=weight)}
+    step = None
     if kernels is not None:
-        if cuda:
-            torch.cuda.empty_cache()
         step = vllm_paths.v034_step(hidden, weight, kernels, canvas=args.canvas)
-        row["vllm_ms"] = _time(step, args, warmup, cuda)
+        timed["vllm"] = step
+    row.update({f"{name}_ms": ms for name, ms in
+                interleaved_timer(timed, warmup, args.reps, cuda).items()})
+    row["floor_ms"] = row["floor_head_ms"] + row["floor_soft_ms"]
+    row["adapter_transient_bytes"] = transient_bytes(timed["adapter"], cuda)
+    row["adapter_tile_requests"] = s.runner.last_tile_requests
+    if step is not None:
         row["vllm_transient_bytes"] = transient_bytes(step, cuda)
         row["vllm_tiles"] = list(step.tiles)
-        del step
+    del gemms, s, state, sampler, step, timed
+    if cuda:
+        torch.cuda.empty_cache()
 
     if not args.no_secondary:
         # DiffusionGemma's compute_logits as vLLM runs it (the softcap compiled)

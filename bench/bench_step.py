@@ -48,24 +48,44 @@ import dgemma_sampler as ds  # noqa: E402
 GIB = 1024**3
 
 
+def _time_once(fn, cuda: bool) -> float:
+    """Milliseconds of one call of ``fn`` (CUDA events, then a synchronisation, on a GPU)."""
+    if cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
 def device_timer(fn, warmup: int, reps: int, cuda: bool) -> float:
     """Median milliseconds of ``fn`` after warm-up (CUDA events on a GPU)."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(reps):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+    return statistics.median(_time_once(fn, cuda) for _ in range(reps))
+
+
+def interleaved_timer(fns: dict, warmup: int, reps: int, cuda: bool) -> dict:
+    """Median milliseconds of each of ``fns`` (name -> function), timed in turns.
+
+    Each of ``reps`` rounds times every function once, the round starting one function further
+    along than the last. A card's clock moves during a run (power limit, heat): timed one after
+    the other, the last functions would see another clock than the first, and a ratio of two of
+    them would carry the drift; in turns every function sees the whole run alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
             fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    names = list(fns)
+    times: dict = {name: [] for name in names}
+    for r in range(reps):
+        for i in range(len(names)):
+            name = names[(r + i) % len(names)]
+            times[name].append(_time_once(fns[name], cuda))
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def transient_bytes(fn, cuda: bool) -> float | None:

@@ -1,0 +1,50 @@
+"""``bench/bench_runner.py`` on the CPU at a small shape: the primary rows are timed in turns
+(``bench_step.interleaved_timer``) and each row carries every figure and ratio of the table,
+with a stand-in for vLLM's row-statistics module in place of the real one."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    return importlib.import_module("bench_step"), importlib.import_module("bench_runner")
+
+
+def test_interleaved_timer_takes_turns(bench):
+    bench_step, _ = bench
+    order = []
+    fns = {name: (lambda name=name: order.append(name)) for name in "abc"}
+    ms = bench_step.interleaved_timer(fns, warmup=1, reps=3, cuda=False)
+    assert set(ms) == set("abc") and all(t >= 0 for t in ms.values())
+    # warm-up once each, then three rounds, each starting one further along
+    assert order == list("abc") + list("abc") + list("bca") + list("cab")
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_measure_row(bench, n):
+    _, runner = bench
+    from test_vllm_paths import stand_in_kernels
+
+    args = SimpleNamespace(canvas=8, vocab=301, hidden=16, reps=2, no_secondary=True)
+    gen = torch.Generator().manual_seed(0)
+    weight = (torch.randn(args.vocab, args.hidden, generator=gen) / 4).to(torch.bfloat16)
+    kernels = stand_in_kernels()
+    row = runner.measure(n, args, weight, kernels, "cpu", gen, warmup=1)
+    for key in ("floor_head_ms", "floor_soft_ms", "adapter_ms", "native_ms", "vllm_ms"):
+        assert row[key] > 0, key
+    assert row["floor_ms"] == row["floor_head_ms"] + row["floor_soft_ms"]
+    assert row["adapter_vs_floor"] == row["adapter_ms"] / row["floor_ms"]
+    assert row["adapter_vs_vllm"] == row["adapter_ms"] / row["vllm_ms"]
+    assert row["native_vs_adapter"] == row["native_ms"] / row["adapter_ms"]
+    assert row["adapter_tile_requests"] == n and row["vllm_tiles"]
+    assert len(kernels.calls) >= 3  # vLLM's path ran: warm-up and both rounds
