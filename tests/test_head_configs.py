@@ -13,13 +13,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def head_configs():
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        yield importlib.import_module("head_configs")
-    finally:
-        sys.path.remove(str(ROOT / "tools"))
+@pytest.fixture
+def head_configs(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    return importlib.import_module("head_configs")
 
 
 def test_parse_config():
