@@ -378,6 +378,7 @@ def soft_embedding_rows(
     _check_inputs(logits, row_request, temperature, lse, embed_weight, keep, threshold, allowed,
                   vocab_start, out, out_index, num_kept)
     assert softcap is None or 0 < softcap < float("inf"), softcap
+    norm_tensor, norm_value = contract.split_normalizer(normalizer, logits.device)
     n_rows = logits.shape[0]
     v_local, hidden = embed_weight.shape
     dev = logits.device
@@ -389,7 +390,6 @@ def soft_embedding_rows(
     if inv_t is None:
         inv_t = contract.inverse_temperature(temperature)
     contract.check_inverse_temperature(inv_t, temperature)
-    norm_tensor, norm_value = contract.split_normalizer(normalizer, dev)
     sms = num_sms if num_sms is not None else _num_sms(dev)
     module = _wgmma_module() if wgmma or (wgmma is None and dev.type == "cuda") else None
     # A given operand where the caller allows it (it takes the masks and the softcap too).
