@@ -45,7 +45,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import record  # noqa: E402
 import vllm_paths  # noqa: E402
-from bench_step import GIB, device_timer, interleaved_timer, transient_bytes  # noqa: E402
+from bench_step import GIB, device_timer, interleaved_timer, make_sampler, never_converging, transient_bytes  # noqa: E402
 
 import dgemma_sampler as ds  # noqa: E402
 from dgemma_sampler.head import LmHead  # noqa: E402
@@ -58,18 +58,12 @@ SOFTCAP = 30.0
 TARGETS = {1: (1.25, 0.75), 4: (1.20, 0.70), 16: (1.12, 0.70), 32: (1.12, 0.70)}
 
 
-def never_converging(canvas: int) -> ds.SamplerConfig:
-    """Every timed step is a denoise step with its soft embedding."""
-    return ds.SamplerConfig(canvas_length=canvas, confidence_threshold=0.0,
-                            max_denoising_steps=1_000_000, softcap=SOFTCAP)
-
-
 class VllmStandIn:
     """vLLM's host objects around the adapter's runner: diffusion states (a ``DiffusionState``
     with the same tensors), sampling states without top-k / top-p, the output buffers."""
 
     def __init__(self, n, canvas, vocab, hidden, weight, device):
-        cfg = never_converging(canvas)
+        cfg = never_converging(canvas, softcap=SOFTCAP)
         self.states = ds.DiffusionState(n, cfg, vocab, hidden, device)
         for s in range(n):
             self.states.add_request(s, seed=1000 + s)
@@ -170,12 +164,8 @@ def measure(n, args, weight, kernels, device, gen, warmup) -> dict:
     gemms = vllm_paths.two_gemm_floor(hidden, weight, weight)
     s = VllmStandIn(n, args.canvas, args.vocab, args.hidden, weight, device)
     projection = s.head.projection()
-    cfg = never_converging(args.canvas)
-    state = ds.DiffusionState(n, cfg, args.vocab, args.hidden, device)
-    for slot in range(n):
-        state.add_request(slot, seed=1000 + slot)
-    sampler = ds.DiffusionSampler(cfg, state, weight, float(args.hidden) ** 0.5)
-    sampler.prefill(list(range(n)))
+    sampler = make_sampler(n, args.canvas, args.vocab, args.hidden, weight, "auto", device,
+                           softcap=SOFTCAP)
     slots = list(range(n))
     timed = {"floor_head": gemms.head, "floor_soft": gemms.soft_embedding,
              "adapter": lambda s=s: s.step(hidden, projection),
@@ -193,7 +183,7 @@ def measure(n, args, weight, kernels, device, gen, warmup) -> dict:
     if step is not None:
         row["vllm_transient_bytes"] = transient_bytes(step, cuda)
         row["vllm_tiles"] = list(step.tiles)
-    del gemms, s, state, sampler, step, timed
+    del gemms, s, sampler, step, timed
     if cuda:
         torch.cuda.empty_cache()
 

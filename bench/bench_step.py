@@ -100,12 +100,17 @@ def transient_bytes(fn, cuda: bool) -> float | None:
     return float(torch.cuda.max_memory_allocated() - base)
 
 
-def make_sampler(n, canvas, vocab, hidden, embed, backend, device, tail_eps=None, softcap=None):
-    """A sampler of ``n`` requests that never converge: every timed step is a denoise step
+def never_converging(canvas, *, softcap=None, tail_eps=None) -> ds.SamplerConfig:
+    """A configuration under which no request converges: every timed step is a denoise step
     with its soft embedding. ``tail_eps`` None: the configuration's default."""
     extra = {} if tail_eps is None else {"tail_eps": tail_eps}
-    cfg = ds.SamplerConfig(canvas_length=canvas, confidence_threshold=0.0,
-                           max_denoising_steps=1_000_000, softcap=softcap, **extra)
+    return ds.SamplerConfig(canvas_length=canvas, confidence_threshold=0.0,
+                            max_denoising_steps=1_000_000, softcap=softcap, **extra)
+
+
+def make_sampler(n, canvas, vocab, hidden, embed, backend, device, tail_eps=None, softcap=None):
+    """A sampler of ``n`` requests under ``never_converging``."""
+    cfg = never_converging(canvas, softcap=softcap, tail_eps=tail_eps)
     state = ds.DiffusionState(n, cfg, vocab, hidden, device)
     for s in range(n):
         state.add_request(s, seed=1000 + s)
