@@ -54,10 +54,12 @@ from .logit_row import interpreting
 
 @dataclass(frozen=True)
 class HeadConfig:
-    """Output tile ``block_m x block_n``, K step ``block_k``, tiles per group along M, launch shape.
+    """Output tile ``block_m x block_n``, K step ``block_k``, tiles per group along M, launch shape,
+    and ``epilogue_split``: the output tile stored in that many column slices (two: half the shared
+    memory of the store, room for another stage).
 
-    Part of what a request's logits are (it fixes the order of the fp32 sums): one constant, never
-    chosen by the batch."""
+    The tile and the K step are part of what a request's logits are (they fix the order of the
+    fp32 sums): one constant, never chosen by the batch. The epilogue's split changes no bits."""
 
     block_m: int
     block_n: int
@@ -65,27 +67,33 @@ class HeadConfig:
     group_m: int
     num_warps: int
     num_stages: int
+    epilogue_split: int = 1
 
     @property
     def spec(self) -> str:
-        """``"BMxBNxBK/gGROUP_M/wWARPS/sSTAGES"``, the form ``parse`` reads (the tools' names)."""
+        """``"BMxBNxBK/gGROUP_M/wWARPS/sSTAGES[/eSPLIT]"``, the form ``parse`` reads (the tools'
+        names)."""
         return (f"{self.block_m}x{self.block_n}x{self.block_k}/g{self.group_m}/w{self.num_warps}"
-                f"/s{self.num_stages}")
+                f"/s{self.num_stages}" + (f"/e{self.epilogue_split}" if self.epilogue_split > 1 else ""))
 
     @classmethod
     def parse(cls, spec: str) -> HeadConfig:
-        """``"128x256x64/g8/w8/s3"`` -> ``HeadConfig(128, 256, 64, 8, 8, 3)``; ValueError otherwise."""
-        m = re.fullmatch(r"(\d+)x(\d+)x(\d+)/g(\d+)/w(\d+)/s(\d+)", spec.strip())
+        """``"128x256x64/g8/w8/s3"`` -> ``HeadConfig(128, 256, 64, 8, 8, 3)``, ``".../s4/e2"`` with
+        the epilogue in two slices; ValueError otherwise."""
+        m = re.fullmatch(r"(\d+)x(\d+)x(\d+)/g(\d+)/w(\d+)/s(\d+)(?:/e(\d+))?", spec.strip())
         if m is None:
-            raise ValueError(f"a tile is BMxBNxBK/gGROUP_M/wWARPS/sSTAGES, e.g. 128x256x64/g8/w8/s3; "
-                             f"got {spec!r}")
-        bm, bn, bk, g, w, s = (int(x) for x in m.groups())
+            raise ValueError(f"a tile is BMxBNxBK/gGROUP_M/wWARPS/sSTAGES[/eSPLIT], e.g. "
+                             f"128x256x64/g8/w8/s3; got {spec!r}")
+        bm, bn, bk, g, w, s = (int(x) for x in m.groups()[:6])
+        split = int(m.group(7) or 1)
         for name, value in (("BM", bm), ("BN", bn), ("BK", bk)):
             if value < 16 or value & (value - 1):
                 raise ValueError(f"{name} must be a power of two >= 16, got {value} in {spec!r}")
         if g < 1 or w not in (1, 2, 4, 8, 16) or s < 1:
             raise ValueError(f"GROUP_M >= 1, WARPS in 1..16 (a power of two), STAGES >= 1: {spec!r}")
-        return cls(bm, bn, bk, g, w, s)
+        if split not in (1, 2) or bn // split < 16:
+            raise ValueError(f"the epilogue stores BN in 1 or 2 slices of >= 16 columns: {spec!r}")
+        return cls(bm, bn, bk, g, w, s, split)
 
 
 CONFIG = HeadConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3)
@@ -119,6 +127,18 @@ def _rounded(acc, dtype: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _store_tile(out_desc, acc, row0, col0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                SPLIT: tl.constexpr, INTERPRET: tl.constexpr):
+    """The rounded tile by TMA, whole or in two slices of columns (one store buffer of a slice)."""
+    if SPLIT == 1:
+        out_desc.store([row0, col0], _rounded(acc, out_desc.dtype, INTERPRET))
+    else:
+        left, right = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+        out_desc.store([row0, col0], _rounded(left, out_desc.dtype, INTERPRET))
+        out_desc.store([row0, col0 + BLOCK_N // 2], _rounded(right, out_desc.dtype, INTERPRET))
+
+
+@triton.jit
 def head_gemm_kernel(
     h_desc, w_desc, out_desc,                 # TMA descriptors (USE_TMA), else placeholders
     h_ptr, w_ptr, out_ptr,                    # the same tensors by pointer (not USE_TMA)
@@ -126,6 +146,7 @@ def head_gemm_kernel(
     stride_h, stride_w, stride_out,           # row strides in elements (rows are contiguous)
     NUM_PROGRAMS,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EPILOGUE_SPLIT: tl.constexpr,
     USE_TMA: tl.constexpr, FLATTEN: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     n_tiles_m = tl.cdiv(M, BLOCK_M)
@@ -156,7 +177,7 @@ def head_gemm_kernel(
             else:
                 acc = tl.dot(a, tl.trans(b), acc)
         if USE_TMA:
-            out_desc.store([row0, col0], _rounded(acc, out_desc.dtype, INTERPRET))
+            _store_tile(out_desc, acc, row0, col0, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT, INTERPRET)
         else:
             out = _rounded(acc, out_ptr.dtype.element_ty, INTERPRET)
             tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :], out,
@@ -226,11 +247,13 @@ def project(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None
 
         descs = (TensorDescriptor(hidden, [m, h], [hidden.stride(0), 1], [cfg.block_m, cfg.block_k]),
                  TensorDescriptor(weight, [v, h], [weight.stride(0), 1], [cfg.block_n, cfg.block_k]),
-                 TensorDescriptor(out, [m, v], [out.stride(0), 1], [cfg.block_m, cfg.block_n]))
+                 TensorDescriptor(out, [m, v], [out.stride(0), 1],
+                                  [cfg.block_m, cfg.block_n // cfg.epilogue_split]))
     head_gemm_kernel[(programs,)](
         *descs, hidden, weight, out, m, v, h,
         hidden.stride(0), weight.stride(0), out.stride(0), programs,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        EPILOGUE_SPLIT=cfg.epilogue_split,
         USE_TMA=use_tma, FLATTEN=use_tma and not interpret, INTERPRET=interpret,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

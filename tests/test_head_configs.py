@@ -25,15 +25,20 @@ def test_parse_config():
     assert HeadConfig.parse("128x256x64/g8/w8/s3") == CONFIG
     assert HeadConfig.parse(CONFIG.spec) == CONFIG
     assert HeadConfig.parse(" 64x128x32/g1/w4/s5 ") == HeadConfig(64, 128, 32, 1, 4, 5)
+    split = HeadConfig.parse("128x256x64/g8/w8/s4/e2")
+    assert split == HeadConfig(128, 256, 64, 8, 8, 4, epilogue_split=2)
+    assert split.spec == "128x256x64/g8/w8/s4/e2" and HeadConfig.parse("16x32x16/g2/w4/s1/e1").spec \
+        == "16x32x16/g2/w4/s1"
 
 
 @pytest.mark.parametrize("spec", ["128x256", "128x256x64/g8/w8", "96x256x64/g8/w8/s3",
                                   "8x256x64/g8/w8/s3", "128x256x64/g0/w8/s3",
-                                  "128x256x64/g8/w3/s3", "128x256x64/g8/w8/s0"])
+                                  "128x256x64/g8/w3/s3", "128x256x64/g8/w8/s0",
+                                  "128x256x64/g8/w8/s4/e4", "128x16x64/g8/w8/s4/e2"])
 def test_bad_tiles_are_refused(spec):
     from dgemma_sampler.kernels.head_gemm import HeadConfig
 
-    with pytest.raises(ValueError, match="BM|GROUP_M|tile is"):
+    with pytest.raises(ValueError, match="BM|GROUP_M|tile is|epilogue"):
         HeadConfig.parse(spec)
 
 
@@ -42,11 +47,12 @@ def test_compare_in_the_interpreter(head_configs):
     from dgemma_sampler.kernels import head_gemm
 
     spec = head_gemm.INTERPRETER_CONFIG.spec
-    rows = head_configs.compare([spec, "32x16x16/g1/w4/s1"], [1, 2], 9, 301, 40, 1,
-                                torch.device("cpu"))
+    other, split = "32x16x16/g1/w4/s1", spec + "/e2"
+    rows = head_configs.compare([spec, other, split], [1, 2], 9, 301, 40, 1, torch.device("cpu"))
     assert [(r["tile"], r["requests"]) for r in rows] == [
-        (spec, 1), ("32x16x16/g1/w4/s1", 1), (spec, 2), ("32x16x16/g1/w4/s1", 2)]
-    assert all(r["same_bits"] for r in rows)  # the reference against itself, and M/N tiles alone
+        (spec, 1), (other, 1), (split, 1), (spec, 2), (other, 2), (split, 2)]
+    # the reference against itself, other M/N tiles, the epilogue stored in two slices
+    assert all(r["same_bits"] for r in rows)
     assert all("ms" not in r for r in rows)  # no time on a CPU
 
 

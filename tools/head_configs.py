@@ -40,10 +40,12 @@ from dgemma_sampler.kernels import head_gemm  # noqa: E402
 # shared memory (``python tools/compile_sm90.py --head --head-configs ...`` says so without a GPU).
 CANDIDATES = ("128x256x64/g8/w8/s3", "128x128x64/g8/w8/s4", "128x128x64/g8/w4/s4",
               "64x256x64/g8/w4/s4", "64x128x64/g8/w4/s5", "256x128x64/g8/w8/s3",
-              "128x256x64/g4/w8/s3", "128x256x64/g16/w8/s3", "128x256x32/g8/w8/s5")
+              "128x256x64/g4/w8/s3", "128x256x64/g16/w8/s3", "128x256x32/g8/w8/s5",
+              "128x256x64/g8/w8/s3/e2", "128x256x64/g8/w8/s4/e2", "256x128x64/g8/w8/s4/e2",
+              "128x256x64/g16/w8/s4/e2", "64x256x64/g8/w4/s5/e2")
 # Small enough for the interpreter; rows and vocabulary not multiples of any tile.
 INTERPRETER_CANDIDATES = ("16x32x16/g2/w4/s1", "32x16x16/g1/w4/s1", "16x16x16/g4/w4/s1",
-                          "16x32x32/g2/w4/s1")
+                          "16x32x32/g2/w4/s1", "16x32x16/g2/w4/s1/e2")
 
 def compare(specs, requests, canvas, vocab, hidden, reps, device) -> list[dict]:
     """One row per (tile, requests): whether the logits equal the reference tile's bit for bit,
