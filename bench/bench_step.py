@@ -48,10 +48,18 @@ import dgemma_sampler as ds  # noqa: E402
 GIB = 1024**3
 
 
-def _time_once(fn, cuda: bool) -> float:
-    """Milliseconds of one call of ``fn`` (CUDA events, then a synchronisation, on a GPU)."""
+def _time_once(fn, cuda: bool, lead: int = 0) -> float:
+    """Milliseconds of one call of ``fn`` (CUDA events, then a synchronisation, on a GPU).
+
+    ``lead`` > 0: the stream first spins that many GPU cycles (``torch.cuda._sleep``),
+    queued before the start event, so the host gets that head start: the call is timed as in a
+    server, where the model's forward pass still runs on the GPU when the sampler is called and
+    the host work before the first kernel overlaps it. Host work longer than the lead, and any
+    host synchronisation, still shows."""
     if cuda:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if lead:
+            torch.cuda._sleep(lead)
         start.record()
         fn()
         end.record()
@@ -62,6 +70,17 @@ def _time_once(fn, cuda: bool) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+def lead_cycles(ms: float, cuda: bool) -> int:
+    """GPU cycles that ``torch.cuda._sleep`` spins for about ``ms`` milliseconds (0 without CUDA
+    or for ``ms`` 0), measured once on this card."""
+    if not cuda or ms <= 0:
+        return 0
+    probe = 1_000_000
+    torch.cuda._sleep(probe)  # the first call loads the kernel
+    spun = statistics.median(_time_once(lambda: torch.cuda._sleep(probe), True) for _ in range(5))
+    return int(probe * ms / spun)
+
+
 def device_timer(fn, warmup: int, reps: int, cuda: bool) -> float:
     """Median milliseconds of ``fn`` after warm-up (CUDA events on a GPU)."""
     for _ in range(warmup):
@@ -69,22 +88,25 @@ def device_timer(fn, warmup: int, reps: int, cuda: bool) -> float:
     return statistics.median(_time_once(fn, cuda) for _ in range(reps))
 
 
-def interleaved_timer(fns: dict, warmup: int, reps: int, cuda: bool) -> dict:
+def interleaved_timer(fns: dict, warmup: int, reps: int, cuda: bool, *, lead_ms: float = 0.0,
+                      no_lead: frozenset = frozenset()) -> dict:
     """Median milliseconds of each of ``fns`` (name -> function), timed in turns.
 
     Each of ``reps`` rounds times every function once, the round starting one function further
     along than the last. A card's clock moves during a run (power limit, heat): timed one after
     the other, the last functions would see another clock than the first, and a ratio of two of
-    them would carry the drift; in turns every function sees the whole run alike."""
+    them would carry the drift; in turns every function sees the whole run alike. ``lead_ms``:
+    the host's head start of every call (``_time_once``) but those named in ``no_lead``."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
+    lead = lead_cycles(lead_ms, cuda)
     names = list(fns)
     times: dict = {name: [] for name in names}
     for r in range(reps):
         for i in range(len(names)):
             name = names[(r + i) % len(names)]
-            times[name].append(_time_once(fns[name], cuda))
+            times[name].append(_time_once(fns[name], cuda, 0 if name in no_lead else lead))
     return {name: statistics.median(t) for name, t in times.items()}
 
 

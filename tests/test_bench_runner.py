@@ -30,6 +30,17 @@ def test_interleaved_timer_takes_turns(bench):
     assert order == list("abc") + list("abc") + list("bca") + list("cab")
 
 
+def test_lead_is_gpu_only(bench):
+    """The host's head start is GPU cycles queued before the start event: none on a CPU."""
+    bench_step, _ = bench
+    assert bench_step.lead_cycles(2.0, cuda=False) == 0
+    assert bench_step.lead_cycles(0.0, cuda=True) == 0
+    calls = []
+    ms = bench_step.interleaved_timer({"a": lambda: calls.append(1)}, 0, 2, False, lead_ms=2.0,
+                                      no_lead=frozenset({"a"}))
+    assert calls == [1, 1] and ms["a"] >= 0
+
+
 @pytest.mark.parametrize("n", [1, 2])
 def test_measure_row(bench, n):
     _, runner = bench
@@ -40,8 +51,10 @@ def test_measure_row(bench, n):
     weight = (torch.randn(args.vocab, args.hidden, generator=gen) / 4).to(torch.bfloat16)
     kernels = stand_in_kernels()
     row = runner.measure(n, args, weight, kernels, "cpu", gen, warmup=1)
-    for key in ("floor_head_ms", "floor_soft_ms", "adapter_ms", "native_ms", "vllm_ms"):
+    for key in ("floor_head_ms", "floor_soft_ms", "our_head_ms", "adapter_ms", "adapter_idle_ms",
+                "native_ms", "vllm_ms"):
         assert row[key] > 0, key
+    assert row["our_head_vs_floor_head"] == row["our_head_ms"] / row["floor_head_ms"]
     assert row["floor_ms"] == row["floor_head_ms"] + row["floor_soft_ms"]
     assert row["adapter_vs_floor"] == row["adapter_ms"] / row["floor_ms"]
     assert row["adapter_vs_vllm"] == row["adapter_ms"] / row["vllm_ms"]
