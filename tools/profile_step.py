@@ -9,7 +9,10 @@ three ways and prints a torch.profiler table of the host-side operators:
               time with no host work at all, the floor of what the eager step could reach;
 * ``host``    host time of one eager step started on an idle GPU and not waited for (launches
               are asynchronous, so this is the Python and launch cost alone), split into the
-              row-statistics call, the soft-embedding call and the rest (planning, state update).
+              row-statistics call, the soft-embedding call and the rest (planning, state update);
+* ``kernels`` device time per step of the step's kernels (torch.profiler) by part: head GEMM,
+              statistics, operand pass, support pass, soft-embedding GEMM, the rest
+              (``KERNEL_PARTS``). Their sum against ``events`` is the time the GPU waits.
 
     python tools/profile_step.py --requests 1,32
     python tools/profile_step.py --requests 1,32 --hidden-states
@@ -92,6 +95,31 @@ def host_phases(sampler, step, reps):
     total, stats, soft = (statistics.median(c) * 1e3 for c in zip(*rows))
     return {"host_ms": total, "host_stats_ms": stats, "host_soft_ms": soft,
             "host_rest_ms": total - stats - soft}
+
+
+# The step's parts, by the names of their kernels (first match wins); every other kernel
+# (PyTorch's elementwise and index kernels, copies, the update) is "rest".
+KERNEL_PARTS = (("head", ("head_gemm_kernel",)),
+                ("statistics", ("_row_stats_kernel", "topk", "threshold")),
+                ("operand", ("operand_in_place_kernel",)),
+                ("support", ("support_kernel", "kept_first_kernel", "gather_kernel")),
+                ("soft embedding", ("soft_embedding", "split_sum_kernel")))
+
+
+def kernel_parts(kernels, steps: int) -> dict:
+    """Device milliseconds per step of each part of ``KERNEL_PARTS`` and of the rest, from
+    ``(name, total microseconds)`` pairs of the kernels of ``steps`` profiled steps."""
+    parts = dict.fromkeys([name for name, _ in KERNEL_PARTS] + ["rest"], 0.0)
+    for name, us in kernels:
+        part = next((p for p, keys in KERNEL_PARTS if any(k in name for k in keys)), "rest")
+        parts[part] += us / 1e3 / steps
+    return parts
+
+
+def _profiled_kernels(prof):
+    """``(name, total device microseconds)`` of the device kernels a torch.profiler run saw."""
+    return [(e.name, e.device_time_total) for e in prof.key_averages()
+            if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0]
 
 
 def wall_ms(fn, reps):
@@ -385,13 +413,18 @@ def main() -> None:
         ka = prof.key_averages()
         print(ka.table(sort_by="self_cpu_time_total", row_limit=args.rows))
         print(ka.table(sort_by="self_device_time_total", row_limit=12))
+        parts = kernel_parts(_profiled_kernels(prof), 3)
+        results[-1]["kernel_ms"] = parts
+        print(f"kernels per step, {n} requests: " + ", ".join(f"{k} {v:.3f}" for k, v in parts.items())
+              + f" = {sum(parts.values()):.3f} ms")
         source = sampler = step = graph = run = None  # free before the next size
         torch.cuda.empty_cache()
-    print("\nrequests  events ms  wall ms  graph replay ms  host ms (row stats / soft emb. / rest)")
+    print("\nrequests  events ms  wall ms  graph replay ms  host ms (row stats / soft emb. / rest)"
+          "  kernels ms")
     for r in results:
         print(f"{r['requests']:8d}  {r['events_ms']:9.3f}  {r['wall_ms']:7.3f}  {r['graph_ms']:15.3f}"
               f"  {r['host_ms']:7.3f} ({r['host_stats_ms']:.3f} / {r['host_soft_ms']:.3f}"
-              f" / {r['host_rest_ms']:.3f})")
+              f" / {r['host_rest_ms']:.3f})  {sum(r['kernel_ms'].values()):.3f}")
     write_json(args.out, results)
 
 
