@@ -17,9 +17,13 @@ Batch invariance
 A request's logits must not depend on the batch it came in (the dispatcher tiles requests by a
 memory budget, and the keyed noise makes every other part of a step batch-independent). A library
 GEMM picks its kernel, tile and split of K by the problem size, so the same row can round
-differently in another batch. Here the configuration is fixed (``CONFIG``, never chosen by M),
+differently in another batch. Here the tile and the K step are fixed (128 x 256 x 64 at every M),
 every output tile is computed by one program over the whole K range in the same order, and there
 is no split-K: an element's value is a function of its row of ``h`` and its row of ``W`` alone.
+What ``config_for`` does choose by M changes no bits: the pipeline depth and whether the output
+tile leaves in one store or two (``FEW_ROWS_CONFIG``: 4 stages, the store in two slices, ahead at
+one request where loading ``W`` sets the pace; the same bits as ``CONFIG`` at 1, 4 and 32 requests
+on an H100, ``tools/head_configs.py``, and a GPU test compares a request alone and in a batch).
 
 Cost model (H100, M = 256 x requests, V = 2^18, H = 2816)
 --------------------------------------------------------
@@ -97,6 +101,12 @@ class HeadConfig:
 
 
 CONFIG = HeadConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3)
+# Up to FEW_ROWS rows (4 requests): the same tile with a deeper pipeline, whose store in two slices
+# leaves the shared memory for it (H100: 0.678 vs 0.726 ms at 1 request, cuBLAS 0.653; equal at 4;
+# 17.3 vs 16.5 ms at 32, hence CONFIG there).
+FEW_ROWS_CONFIG = HeadConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8,
+                             num_stages=4, epilogue_split=2)
+FEW_ROWS = 1024
 # The interpreter runs the same code on small tiles (a CPU multiplies every tile in Python).
 INTERPRETER_CONFIG = HeadConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=4,
                                 num_stages=1)
@@ -184,6 +194,12 @@ def head_gemm_kernel(
                      mask=(rows < M)[:, None] & (cols < V)[None, :])
 
 
+def config_for(rows: int) -> HeadConfig:
+    """The configuration of a projection of ``rows`` rows on a GPU: one tile and K step at every
+    size (the bits), a deeper pipeline for few rows."""
+    return FEW_ROWS_CONFIG if rows <= FEW_ROWS else CONFIG
+
+
 def padded_columns(vocab: int, itemsize: int) -> int:
     """Row length of an output buffer of ``vocab`` logits: a multiple of 16 elements (at least
     16 bytes), so that its rows stay TMA-addressable here and in the kernels that read them, and
@@ -217,9 +233,9 @@ def project(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None
     """``hidden [M, H] @ weight[V, H]^T`` as ``[M, V]`` in their dtype (bf16 or fp16), batch-invariant.
 
     ``out``: a ``[M, V]`` buffer of that dtype with contiguous rows (default: ``empty_logits``,
-    rows padded to 16 bytes). ``config`` overrides the tile (tests; any config is batch-invariant,
-    but two configs round differently). ``tma`` False forces pointer loads (tests); None: TMA
-    where ``uses_tma``. Inputs are validated by the caller and only asserted here.
+    rows padded to 16 bytes). ``config`` overrides ``config_for`` (tests; any config is
+    batch-invariant, but two tiles or K steps round differently). ``tma`` False forces pointer
+    loads (tests); None: TMA where ``uses_tma``. Inputs are validated by the caller and only asserted here.
     """
     assert hidden.dim() == 2 and weight.dim() == 2, (hidden.shape, weight.shape)
     assert hidden.dtype == weight.dtype and hidden.dtype in HEAD_DTYPES, (hidden.dtype, weight.dtype)
@@ -236,7 +252,7 @@ def project(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None
     if m == 0 or v == 0:
         return out
     interpret = interpreting()
-    cfg = config or (INTERPRETER_CONFIG if interpret else CONFIG)
+    cfg = config or (INTERPRETER_CONFIG if interpret else config_for(m))
     use_tma = uses_tma(hidden, weight, out) if tma is None else tma
     assert not use_tma or _tma_ok(hidden, weight, out), "TMA needs 16-byte aligned rows"
     n_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(v, cfg.block_n)

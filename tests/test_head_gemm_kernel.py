@@ -97,7 +97,7 @@ def test_batch_invariant_at_diffusiongemma_shape_gpu():
     weight = (torch.randn(v, h, generator=g, device="cuda") / h ** 0.5).to(torch.bfloat16)
     hidden = torch.randn(32 * canvas, h, generator=g, device="cuda").to(torch.bfloat16)
     full = hg.project(hidden, weight)
-    for n in (1, 2, 16):
+    for n in (1, 2, 4, 16):  # up to 4 requests hg.FEW_ROWS_CONFIG, CONFIG beyond
         for first in sorted({0, 31 - n + 1, 7}):
             rows = slice(first * canvas, (first + n) * canvas)
             part = hg.project(hidden[rows].contiguous(), weight)
@@ -107,3 +107,11 @@ def test_batch_invariant_at_diffusiongemma_shape_gpu():
     assert differ < 0.02, differ
     ratio = (full[:canvas].float() - cublas.float()).abs().max() / cublas.float().abs().max()
     assert ratio < 2.0**-7
+
+
+def test_config_by_rows_keeps_the_tile():
+    """What the row count chooses (pipeline depth, the store's split) never the tile or K step,
+    which fix the bits."""
+    few, many = hg.config_for(1), hg.config_for(hg.FEW_ROWS + 1)
+    assert hg.config_for(hg.FEW_ROWS) == few == hg.FEW_ROWS_CONFIG and many == hg.CONFIG
+    assert (few.block_m, few.block_n, few.block_k) == (many.block_m, many.block_n, many.block_k)
