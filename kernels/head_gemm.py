@@ -20,9 +20,9 @@ GEMM picks its kernel, tile and split of K by the problem size, so the same row 
 differently in another batch. Here the tile and the K step are fixed (128 x 256 x 64 at every M),
 every output tile is computed by one program over the whole K range in the same order, and there
 is no split-K: an element's value is a function of its row of ``h`` and its row of ``W`` alone.
-What ``config_for`` does choose by M changes no bits: the pipeline depth and whether the output
-tile leaves in one store or two (``FEW_ROWS_CONFIG``: 4 stages, the store in two slices, ahead at
-one request where loading ``W`` sets the pace; the same bits as ``CONFIG`` at 1, 4 and 32 requests
+What ``config_for`` does choose by M (with TMA) changes no bits: the pipeline depth and whether the
+output tile leaves in one store or two (``FEW_ROWS_CONFIG``: 4 stages, the store in two slices,
+ahead at one request where loading ``W`` sets the pace; the same bits as ``CONFIG`` at 1, 4 and 32 requests
 on an H100, ``tools/head_configs.py``, and a GPU test compares a request alone and in a batch).
 
 Cost model (H100, M = 256 x requests, V = 2^18, H = 2816)
@@ -194,10 +194,12 @@ def head_gemm_kernel(
                      mask=(rows < M)[:, None] & (cols < V)[None, :])
 
 
-def config_for(rows: int) -> HeadConfig:
+def config_for(rows: int, tma: bool) -> HeadConfig:
     """The configuration of a projection of ``rows`` rows on a GPU: one tile and K step at every
-    size (the bits), a deeper pipeline for few rows."""
-    return FEW_ROWS_CONFIG if rows <= FEW_ROWS else CONFIG
+    size (the bits), a deeper pipeline for few rows where the output leaves by TMA (its split
+    store is what frees the shared memory; pointer loads and stores keep ``CONFIG``, which fits
+    GPUs before Hopper)."""
+    return FEW_ROWS_CONFIG if tma and rows <= FEW_ROWS else CONFIG
 
 
 def padded_columns(vocab: int, itemsize: int) -> int:
@@ -252,9 +254,9 @@ def project(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None
     if m == 0 or v == 0:
         return out
     interpret = interpreting()
-    cfg = config or (INTERPRETER_CONFIG if interpret else config_for(m))
     use_tma = uses_tma(hidden, weight, out) if tma is None else tma
     assert not use_tma or _tma_ok(hidden, weight, out), "TMA needs 16-byte aligned rows"
+    cfg = config or (INTERPRETER_CONFIG if interpret else config_for(m, use_tma))
     n_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(v, cfg.block_n)
     programs = min(n_tiles, 4 if interpret else contract.sm_count(hidden.device))
     descs = (None, None, None)

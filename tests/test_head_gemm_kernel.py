@@ -112,6 +112,8 @@ def test_batch_invariant_at_diffusiongemma_shape_gpu():
 def test_config_by_rows_keeps_the_tile():
     """What the row count chooses (pipeline depth, the store's split) never the tile or K step,
     which fix the bits."""
-    few, many = hg.config_for(1), hg.config_for(hg.FEW_ROWS + 1)
-    assert hg.config_for(hg.FEW_ROWS) == few == hg.FEW_ROWS_CONFIG and many == hg.CONFIG
+    few, many = hg.config_for(1, tma=True), hg.config_for(hg.FEW_ROWS + 1, tma=True)
+    assert hg.config_for(hg.FEW_ROWS, tma=True) == few == hg.FEW_ROWS_CONFIG and many == hg.CONFIG
     assert (few.block_m, few.block_n, few.block_k) == (many.block_m, many.block_n, many.block_k)
+    # pointer loads and stores (GPUs before Hopper, unaligned rows) keep CONFIG's shared memory
+    assert hg.config_for(1, tma=False) == hg.CONFIG
