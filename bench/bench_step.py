@@ -29,6 +29,7 @@ By default the result goes to the bench of record (``bench/record.py``):
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -70,15 +71,21 @@ def _time_once(fn, cuda: bool, lead: int = 0) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def lead_cycles(ms: float, cuda: bool) -> int:
-    """GPU cycles that ``torch.cuda._sleep`` spins for about ``ms`` milliseconds (0 without CUDA
-    or for ``ms`` 0), measured once on this card."""
-    if not cuda or ms <= 0:
-        return 0
+@functools.cache
+def _sleep_cycles_per_ms() -> float:
+    """``torch.cuda._sleep`` cycles per millisecond on the current card, measured once."""
     probe = 1_000_000
     torch.cuda._sleep(probe)  # the first call loads the kernel
-    spun = statistics.median(_time_once(lambda: torch.cuda._sleep(probe), True) for _ in range(5))
-    return int(probe * ms / spun)
+    return probe / statistics.median(_time_once(lambda: torch.cuda._sleep(probe), True)
+                                     for _ in range(5))
+
+
+def lead_cycles(ms: float, cuda: bool) -> int:
+    """GPU cycles that ``torch.cuda._sleep`` spins for about ``ms`` milliseconds (0 without CUDA
+    or for ``ms`` 0)."""
+    if not cuda or ms <= 0:
+        return 0
+    return int(ms * _sleep_cycles_per_ms())
 
 
 def device_timer(fn, warmup: int, reps: int, cuda: bool) -> float:

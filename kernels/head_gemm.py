@@ -22,8 +22,8 @@ every output tile is computed by one program over the whole K range in the same 
 is no split-K: an element's value is a function of its row of ``h`` and its row of ``W`` alone.
 What ``config_for`` does choose by M (with TMA) changes no bits: the pipeline depth and whether the
 output tile leaves in one store or two (``FEW_ROWS_CONFIG``: 4 stages, the store in two slices,
-ahead at one request where loading ``W`` sets the pace; the same bits as ``CONFIG`` at 1, 4 and 32 requests
-on an H100, ``tools/head_configs.py``, and a GPU test compares a request alone and in a batch).
+ahead at one request where loading ``W`` sets the pace). ``tools/head_configs.py`` compares any two
+configurations' bits, and a GPU test compares a request alone and in a batch.
 
 Cost model (H100, M = 256 x requests, V = 2^18, H = 2816)
 --------------------------------------------------------
@@ -102,8 +102,8 @@ class HeadConfig:
 
 CONFIG = HeadConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3)
 # Up to FEW_ROWS rows (4 requests): the same tile with a deeper pipeline, whose store in two slices
-# leaves the shared memory for it (H100: 0.678 vs 0.726 ms at 1 request, cuBLAS 0.653; equal at 4;
-# 17.3 vs 16.5 ms at 32, hence CONFIG there).
+# leaves the shared memory for it. Few rows wait on loading W, where a fourth stage helps; many rows
+# are bound by the MMAs, where it costs (figures: docs/performance-history.md).
 FEW_ROWS_CONFIG = HeadConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8,
                              num_stages=4, epilogue_split=2)
 FEW_ROWS = 1024

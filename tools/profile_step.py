@@ -97,28 +97,31 @@ def host_phases(sampler, step, reps):
             "host_rest_ms": total - stats - soft}
 
 
-# The step's parts, by the names of their kernels (first match wins); every other kernel
-# (PyTorch's elementwise and index kernels, copies, the update) is "rest".
-KERNEL_PARTS = (("head", ("head_gemm_kernel",)),
-                ("statistics", ("_row_stats_kernel", "topk", "threshold")),
-                ("operand", ("operand_in_place_kernel",)),
-                ("support", ("support_kernel", "kept_first_kernel", "gather_kernel")),
-                ("soft embedding", ("soft_embedding", "split_sum_kernel")))
+# The step's parts, by the exact names of our kernels (Triton and Gluon name a kernel after its
+# function; a substring would also catch PyTorch's, e.g. ``_scatter_gather_elementwise_kernel``);
+# every other kernel (PyTorch's elementwise and index kernels, copies, the update) is "rest".
+KERNEL_PARTS = {"head": {"head_gemm_kernel"},
+                "statistics": {"_row_stats_kernel", "_scan_kernel", "_search_kernel"},
+                "operand": {"operand_in_place_kernel"},
+                "support": {"support_kernel", "kept_first_kernel", "gather_kernel"},
+                "soft embedding": {"soft_embedding_kernel", "soft_embedding_wgmma_kernel",
+                                   "split_sum_kernel"}}
 
 
 def kernel_parts(kernels, steps: int) -> dict:
     """Device milliseconds per step of each part of ``KERNEL_PARTS`` and of the rest, from
     ``(name, total microseconds)`` pairs of the kernels of ``steps`` profiled steps."""
-    parts = dict.fromkeys([name for name, _ in KERNEL_PARTS] + ["rest"], 0.0)
+    parts = dict.fromkeys([*KERNEL_PARTS, "rest"], 0.0)
     for name, us in kernels:
-        part = next((p for p, keys in KERNEL_PARTS if any(k in name for k in keys)), "rest")
+        part = next((p for p, names in KERNEL_PARTS.items() if name in names), "rest")
         parts[part] += us / 1e3 / steps
     return parts
 
 
-def _profiled_kernels(prof):
-    """``(name, total device microseconds)`` of the device kernels a torch.profiler run saw."""
-    return [(e.name, e.device_time_total) for e in prof.key_averages()
+def _profiled_kernels(averages):
+    """``(name, total device microseconds)`` of the device kernels among torch.profiler's
+    ``key_averages()``."""
+    return [(e.name, e.device_time_total) for e in averages
             if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0]
 
 
@@ -413,7 +416,7 @@ def main() -> None:
         ka = prof.key_averages()
         print(ka.table(sort_by="self_cpu_time_total", row_limit=args.rows))
         print(ka.table(sort_by="self_device_time_total", row_limit=12))
-        parts = kernel_parts(_profiled_kernels(prof), 3)
+        parts = kernel_parts(_profiled_kernels(ka), 3)
         results[-1]["kernel_ms"] = parts
         print(f"kernels per step, {n} requests: " + ", ".join(f"{k} {v:.3f}" for k, v in parts.items())
               + f" = {sum(parts.values()):.3f} ms")
