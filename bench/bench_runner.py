@@ -194,6 +194,7 @@ def measure(n, args, weight, kernels, device, gen, warmup) -> dict:
     row["floor_ms"] = row["floor_head_ms"] + row["floor_soft_ms"]
     row["adapter_transient_bytes"] = transient_bytes(timed["adapter"], cuda)
     row["adapter_tile_requests"] = s.runner.last_tile_requests
+    row["native_tile_requests"] = sampler.runner.last_tile_requests
     if step is not None:
         row["vllm_transient_bytes"] = transient_bytes(step, cuda)
         row["vllm_tiles"] = list(step.tiles)
@@ -250,7 +251,8 @@ def print_row(row) -> None:
              f"adapter {row['adapter_ms']:7.2f} ms (tile {row['adapter_tile_requests']}, "
              f"{gib(row['adapter_transient_bytes'])}) = {row['adapter_vs_floor']:.3f}x floor"
              + (f" (target <= {floor_target})" if floor_target else ""),
-             f"native {row['native_ms']:7.2f} ms = {row['native_vs_adapter']:.3f}x adapter",
+             f"native {row['native_ms']:7.2f} ms (tile {row['native_tile_requests']}) = "
+             f"{row['native_vs_adapter']:.3f}x adapter",
              f"from an idle GPU: adapter {row['adapter_idle_ms']:.2f} ms",
              f"our head {row['our_head_ms']:.2f} ms ({row['our_head_vs_floor_head']:.3f}x cuBLAS)"]
     if "vllm_ms" in row:
