@@ -14,6 +14,8 @@ the rest. ``adapter_idle`` is the adapter timed from an idle GPU (host work in f
 
 * ``floor`` — the two cuBLAS GEMMs a step from hidden states cannot avoid, each alone: the head
   ``hidden @ W^T`` (bf16 out) and the soft embedding ``p @ E`` (``vllm_paths.two_gemm_floor``);
+  ``floor_pair`` times the same two back to back in one call, as a step runs them (a diagnostic:
+  a card at its power limit clocks down under a long run of GEMMs; the ratios use ``floor``);
 * ``vllm`` — vLLM 0.34's own device path (``vllm_paths.v034_step``: its tiles, ``compute_logits``
   with the softcap compiled, its row-statistics kernel, bf16 probabilities, ``probs @ E``), when
   ``--vllm-kernels FILE`` gives vLLM's kernel module (``tools/fetch_vllm_kernels.sh``);
@@ -179,6 +181,9 @@ def measure(n, args, weight, kernels, device, gen, warmup) -> dict:
     slots = list(range(n))
     head = LmHead(weight, softcap=SOFTCAP, backend=resolve_backend("auto", torch.device(device)))
     timed = {"floor_head": gemms.head, "floor_soft": gemms.soft_embedding,
+             # the two GEMMs in one call, back to back as in a step: what the card's clock
+             # (power limit) does to them there, beside the floor's separate timings
+             "floor_pair": lambda g=gemms: (g.head(), g.soft_embedding()),
              "our_head": lambda head=head: head.project(hidden),
              "adapter": lambda s=s: s.step(hidden, projection),
              "adapter_idle": lambda s=s: s.step(hidden, projection),
@@ -254,6 +259,7 @@ def print_row(row) -> None:
              f"native {row['native_ms']:7.2f} ms (tile {row['native_tile_requests']}) = "
              f"{row['native_vs_adapter']:.3f}x adapter",
              f"from an idle GPU: adapter {row['adapter_idle_ms']:.2f} ms",
+             f"the two GEMMs back to back {row['floor_pair_ms']:.2f} ms",
              f"our head {row['our_head_ms']:.2f} ms ({row['our_head_vs_floor_head']:.3f}x cuBLAS)"]
     if "vllm_ms" in row:
         parts.append(f"vLLM 0.34 {row['vllm_ms']:7.2f} ms (tiles {row['vllm_tiles']}, "
