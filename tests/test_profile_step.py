@@ -38,3 +38,20 @@ def test_kernel_parts_by_name(profile_step):
     parts = profile_step.kernel_parts(kernels, steps=2)
     assert parts == pytest.approx({"head": 0.6, "statistics": 0.15, "operand": 0.09,
                                    "support": 0.02, "soft embedding": 0.51, "rest": 0.03})
+
+
+def test_profiled_kernels_reads_profiler_averages(profile_step):
+    """Device kernels out of ``key_averages()`` entries (``FunctionEventAvg``: named by ``key``)."""
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import FunctionEventAvg
+
+    def average(key, device_type, device_us):
+        a = FunctionEventAvg()
+        a.key, a.device_type, a.device_time_total = key, device_type, device_us
+        return a
+
+    averages = [average("head_gemm_kernel", DeviceType.CUDA, 1200.0),
+                average("aten::mm", DeviceType.CPU, 0.0),
+                average("cudaLaunchKernel", DeviceType.CPU, 0.0),
+                average("idle_kernel", DeviceType.CUDA, 0.0)]
+    assert profile_step._profiled_kernels(averages) == [("head_gemm_kernel", 1200.0)]

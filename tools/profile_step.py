@@ -121,7 +121,7 @@ def kernel_parts(kernels, steps: int) -> dict:
 def _profiled_kernels(averages):
     """``(name, total device microseconds)`` of the device kernels among torch.profiler's
     ``key_averages()``."""
-    return [(e.name, e.device_time_total) for e in averages
+    return [(e.key, e.device_time_total) for e in averages
             if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0]
 
 
