@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import random
 import statistics
 import sys
 import time
@@ -99,20 +100,25 @@ def interleaved_timer(fns: dict, warmup: int, reps: int, cuda: bool, *, lead_ms:
                       no_lead: frozenset = frozenset()) -> dict:
     """Median milliseconds of each of ``fns`` (name -> function), timed in turns.
 
-    Each of ``reps`` rounds times every function once, the round starting one function further
-    along than the last. A card's clock moves during a run (power limit, heat): timed one after
-    the other, the last functions would see another clock than the first, and a ratio of two of
-    them would carry the drift; in turns every function sees the whole run alike. ``lead_ms``:
-    the host's head start of every call (``_time_once``) but those named in ``no_lead``."""
+    Each of ``reps`` rounds times every function once, in an order shuffled anew every round
+    (seeded: a run repeats). A card's clock moves during a run (power limit, heat): timed one
+    after the other, the last functions would see another clock than the first, and a ratio
+    of two of them would carry the drift; in turns every function sees the whole run alike. At
+    the power limit a call is also slowed by the heavy one before it, so a fixed cyclic order
+    would give every function the same predecessor in every round; shuffled, none keeps one.
+    ``lead_ms``: the host's head start of every call (``_time_once``) but those named in
+    ``no_lead``."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     lead = lead_cycles(lead_ms, cuda)
     names = list(fns)
     times: dict = {name: [] for name in names}
-    for r in range(reps):
-        for i in range(len(names)):
-            name = names[(r + i) % len(names)]
+    order = random.Random(0)
+    for _ in range(reps):
+        round_names = names[:]
+        order.shuffle(round_names)
+        for name in round_names:
             times[name].append(_time_once(fns[name], cuda, 0 if name in no_lead else lead))
     return {name: statistics.median(t) for name, t in times.items()}
 

@@ -24,10 +24,17 @@ def test_interleaved_timer_takes_turns(bench):
     bench_step, _ = bench
     order = []
     fns = {name: (lambda name=name: order.append(name)) for name in "abc"}
-    ms = bench_step.interleaved_timer(fns, warmup=1, reps=3, cuda=False)
+    ms = bench_step.interleaved_timer(fns, warmup=1, reps=6, cuda=False)
     assert set(ms) == set("abc") and all(t >= 0 for t in ms.values())
-    # warm-up once each, then three rounds, each starting one further along
-    assert order == list("abc") + list("abc") + list("bca") + list("cab")
+    # warm-up once each, then six rounds, each timing every function once
+    assert order[:3] == list("abc")
+    rounds = [order[3 + 3 * r: 6 + 3 * r] for r in range(6)]
+    assert all(sorted(r) == list("abc") for r in rounds)
+    # in shuffled orders (seeded: the same every run), so no function keeps its predecessor
+    assert len({tuple(r) for r in rounds}) > 1
+    again = []
+    bench_step.interleaved_timer({n: (lambda n=n: again.append(n)) for n in "abc"}, 1, 6, False)
+    assert again == order
 
 
 def test_lead_is_gpu_only(bench):
