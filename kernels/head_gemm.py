@@ -46,7 +46,7 @@ order, the same bits.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -104,8 +104,7 @@ CONFIG = HeadConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8
 # Up to FEW_ROWS rows (4 requests): the same tile with a deeper pipeline, whose store in two slices
 # leaves the shared memory for it. Few rows wait on loading W, where a fourth stage helps; many rows
 # are bound by the MMAs, where it costs (figures: docs/performance-history.md).
-FEW_ROWS_CONFIG = HeadConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8,
-                             num_stages=4, epilogue_split=2)
+FEW_ROWS_CONFIG = replace(CONFIG, num_stages=4, epilogue_split=2)
 FEW_ROWS = 1024
 # The interpreter runs the same code on small tiles (a CPU multiplies every tile in Python).
 INTERPRETER_CONFIG = HeadConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=4,

@@ -408,15 +408,16 @@ def main() -> None:
             pstats.Stats(prof).sort_stats("cumulative").print_stats(args.rows * 2)
             pstats.Stats(prof).sort_stats("tottime").print_stats(args.rows)
             pstats.Stats(prof).sort_stats("cumulative").print_callees("decode_step|__call__|row_stats_rows|soft_embedding_rows")
+        profiled_steps = 3
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(3):
+            for _ in range(profiled_steps):
                 step()
             torch.cuda.synchronize()
         ka = prof.key_averages()
         print(ka.table(sort_by="self_cpu_time_total", row_limit=args.rows))
         print(ka.table(sort_by="self_device_time_total", row_limit=12))
-        parts = kernel_parts(_profiled_kernels(ka), 3)
+        parts = kernel_parts(_profiled_kernels(ka), profiled_steps)
         results[-1]["kernel_ms"] = parts
         print(f"kernels per step, {n} requests: " + ", ".join(f"{k} {v:.3f}" for k, v in parts.items())
               + f" = {sum(parts.values()):.3f} ms")
