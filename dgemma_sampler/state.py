@@ -295,10 +295,10 @@ class DiffusionState:
     # ------------------------------------------------------------------ canvases
     def fresh_canvas(self, slots: torch.Tensor, width: int) -> torch.Tensor:
         """Uniform random canvases ``[n, width]`` keyed on (seed, draw, position)."""
-        from .step import noise_canvases, use_triton_noise
+        from .step import noise_canvases, use_triton_update
 
         return noise_canvases(self.seeds[slots], self.draws[slots], width, self.vocab_size,
-                              (Stream.CANVAS,), triton=use_triton_noise(slots.device))[0]
+                              (Stream.CANVAS,), triton=use_triton_update(slots.device))[0]
 
     def finish_prefill(self, slots: Sequence[int] | torch.Tensor) -> None:
         """Draw the first canvas of ``slots`` (seed canvases replace it) and start denoising.

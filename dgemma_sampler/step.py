@@ -173,15 +173,17 @@ def _stats_padded(
     return RowStats(*padded)
 
 
-def use_triton_noise(device: torch.device, noise_backend: str = "auto") -> bool:
-    """Whether the keyed random canvases come from the Triton kernel: always on CUDA
-    (one launch instead of ~120 int64 tensor ops), and under the interpreter when the step's
-    backend is Triton (so the CPU tests run the kernel); the PyTorch twin elsewhere."""
-    if noise_backend not in ("auto", "triton", "torch"):
-        raise ValueError(f"noise_backend must be 'auto', 'triton' or 'torch', got {noise_backend!r}")
+def use_triton_update(device: torch.device, backend: str = "auto") -> bool:
+    """Whether the step's update runs its Triton kernels (``kernels/canvas_update.py``, and the
+    keyed random canvases of ``kernels/random_tokens.py``): always on CUDA (one launch instead
+    of ~40 small operators and a sort, or ~120 int64 tensor ops for the canvases), and under the
+    interpreter when the step's backend is Triton (so the CPU tests run the kernels); the
+    PyTorch twins elsewhere."""
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
     if device.type == "cuda":
         return True
-    return noise_backend == "triton" and envs.triton_interpret()
+    return backend == "triton" and envs.triton_interpret()
 
 
 def noise_canvases(seeds: torch.Tensor, draws: torch.Tensor, width: int, vocab_size: int,
@@ -261,7 +263,7 @@ def denoise_update(
     step_after = (state.step[slots] + 1) * is_denoise  # +1 on denoise, 0 on commit
     state.step[slots] = step_after
     renoise, fresh = noise_canvases(seeds, draws, W, vocab_size,
-                                    triton=use_triton_noise(dev, noise_backend))
+                                    triton=use_triton_update(dev, noise_backend))
     denoised = torch.where(accepted, stats.sample, renoise)
     pinned = None
     if any_pins:
@@ -420,7 +422,7 @@ def decode_step(
             state, flat_stats, batch, layout, cfg=cfg, vocab_size=vocab_size,
             phantom_entropy=math.log(cols), phantom_argmax=phantom_argmax,
             seeds=None if gather else seeds, draws=None if gather else draws,
-            noise_backend=kernels.name, soft=soft is not None)
+            backend=kernels.name, soft=soft is not None)
 
     out, keep = update(flat) if update_runner is None else update_runner(update, flat)
 
@@ -469,7 +471,7 @@ def update_after_stats(
     phantom_argmax: int | torch.Tensor,
     seeds: torch.Tensor | None = None,
     draws: torch.Tensor | None = None,
-    noise_backend: str = "auto",
+    backend: str = "auto",
     soft: bool = True,
 ) -> tuple[StepOutput, torch.Tensor | None]:
     """Everything of a step between the row statistics and the soft embedding.
@@ -489,26 +491,34 @@ def update_after_stats(
     else:
         stats = _stats_padded(flat, request, position, n, W, phantom_entropy, phantom_argmax)
 
-    sampled, num_sampled, sc_keep, just_converged, pinned = denoise_update(
-        state, slots, stats, valid_len, width, W,
-        confidence_threshold=cfg.confidence_threshold, entropy_bound=cfg.entropy_bound,
-        vocab_size=vocab_size, layout=layout, seeds=seeds, draws=draws,
-        noise_backend=noise_backend,
-    )
-
     sc = state.self_conditioning_embeds
     # index_fill_ takes the 0 as a kernel argument: no host-to-device copy, so the step can be
     # captured in a CUDA graph (the whole canvas rows are cleared; positions past a request's
     # width are never read).
     sc.index_fill_(0, slots, 0.0)
     keep = None
-    if soft:
-        if pinned is None:
-            keep = sc_keep[request]
-        elif layout.dense:
-            keep = (sc_keep.unsqueeze(1) & ~pinned).view(-1)
-        else:
-            keep = (sc_keep.unsqueeze(1) & ~pinned)[request, position]
+    if use_triton_update(slots.device, backend):
+        from .kernels.canvas_update import canvas_update
+
+        sampled, num_sampled, just_converged, keep_canvas = canvas_update(
+            state, slots, stats.entropy, stats.argmax, stats.sample, width, valid_len,
+            confidence_threshold=cfg.confidence_threshold, entropy_bound=cfg.entropy_bound,
+            vocab_size=vocab_size, streams=NOISE_STREAMS, pins=layout.any_pins)
+        if soft:
+            keep = keep_canvas.view(-1) if layout.dense else keep_canvas[request, position]
+    else:
+        sampled, num_sampled, sc_keep, just_converged, pinned = denoise_update(
+            state, slots, stats, valid_len, width, W,
+            confidence_threshold=cfg.confidence_threshold, entropy_bound=cfg.entropy_bound,
+            vocab_size=vocab_size, layout=layout, seeds=seeds, draws=draws, noise_backend=backend,
+        )
+        if soft:
+            if pinned is None:
+                keep = sc_keep[request]
+            elif layout.dense:
+                keep = (sc_keep.unsqueeze(1) & ~pinned).view(-1)
+            else:
+                keep = (sc_keep.unsqueeze(1) & ~pinned)[request, position]
     out = StepOutput(sampled=sampled, num_sampled=num_sampled, just_converged=just_converged,
                      stats=stats)
     return out, keep

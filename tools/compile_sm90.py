@@ -28,6 +28,7 @@ those head tiles instead and says which would launch (``tools/head_configs.py`` 
 ``--row-stats`` compiles the row-statistics kernel instead (fp32 / bf16 logits, the descriptor
 walk, unsplit and split into parts) and checks, in the split kernel's PTX, what its merge
 relies on: every atomic of a program issued under one predicate (its thread 0).
+``--canvas-update`` compiles the step's canvas update (``canvas_update.py``).
 """
 
 from __future__ import annotations
@@ -184,6 +185,34 @@ def compile_head(ptxas: str, configs: str | None = None) -> bool:
     return ok and report.returncode == 0
 
 
+def compile_canvas_update(ptxas: str) -> bool:
+    """Compile the canvas-update kernel (``canvas_update.py``) for 32 requests of a 256-wide
+    canvas, with and without pins; report registers, spills and shared memory."""
+    import torch
+
+    import dgemma_sampler as ds
+    from dgemma_sampler.kernels.canvas_update import canvas_update
+    from dgemma_sampler.step import NOISE_STREAMS
+
+    compiled = recording_compiles()
+    n, W, vocab = 32, 256, 262144
+    state = ds.DiffusionState(n, ds.SamplerConfig(), vocab, 64, "cpu")
+    slots = torch.arange(n)
+    ok = True
+    for pins in (True, False):
+        stat = torch.zeros(n, W, dtype=torch.int64)
+        canvas_update(state, slots, torch.zeros(n, W), stat, stat, slots, slots,
+                      confidence_threshold=0.005, entropy_bound=0.1, vocab_size=vocab,
+                      streams=NOISE_STREAMS, pins=pins)
+        kernel = compiled[-1]
+        with tempfile.TemporaryDirectory() as tmp:
+            report, lines = assemble(ptxas, kernel.asm["ptx"], os.path.join(tmp, "k.cubin"))
+        print(f"{'canvas_update' + ('_pins' if pins else ''):20s} shared {kernel.metadata.shared} B"
+              " | " + " | ".join(lines))
+        ok &= report.returncode == 0
+    return ok
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--site", help="a site-packages that provides torch and dgemma_sampler, "
@@ -199,6 +228,8 @@ def main() -> None:
                     "times them) and say which would launch")
     ap.add_argument("--row-stats", action="store_true", help="compile the row-statistics kernel "
                     "(unsplit and split walk) instead of the GEMM")
+    ap.add_argument("--canvas-update", action="store_true",
+                    help="compile the canvas-update kernel instead of the GEMM")
     args = ap.parse_args()
     if args.site:
         site.addsitedir(args.site)
@@ -238,6 +269,8 @@ def main() -> None:
         sys.exit(0 if compile_row_stats(args, ptxas) else 1)
     if args.head:
         sys.exit(0 if compile_head(ptxas, args.head_configs) else 1)
+    if args.canvas_update:
+        sys.exit(0 if compile_canvas_update(ptxas) else 1)
 
     from dgemma_sampler.kernels import soft_embedding_dispatch as se
     from dgemma_sampler.kernels import soft_embedding_wgmma as wg

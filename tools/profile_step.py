@@ -99,11 +99,12 @@ def host_phases(sampler, step, reps):
 
 # The step's parts, by the exact names of our kernels (Triton and Gluon name a kernel after its
 # function; a substring would also catch PyTorch's, e.g. ``_scatter_gather_elementwise_kernel``);
-# every other kernel (PyTorch's elementwise and index kernels, copies, the update) is "rest".
+# every other kernel (PyTorch's elementwise and index kernels, copies) is "rest".
 KERNEL_PARTS = {"head": {"head_gemm_kernel"},
                 "statistics": {"_row_stats_kernel", "_scan_kernel", "_search_kernel"},
                 "operand": {"operand_in_place_kernel"},
                 "support": {"support_kernel", "kept_first_kernel", "gather_kernel"},
+                "canvas update": {"_canvas_update_kernel", "_random_tokens_kernel"},
                 "soft embedding": {"soft_embedding_kernel", "soft_embedding_wgmma_kernel",
                                    "split_sum_kernel"}}
 
