@@ -33,11 +33,13 @@ def test_kernel_parts_by_name(profile_step):
     kernels = [("head_gemm_kernel", 1200.0), ("_row_stats_kernel", 300.0),
                ("operand_in_place_kernel", 180.0), ("soft_embedding_wgmma_kernel", 1000.0),
                ("split_sum_kernel", 20.0), ("support_kernel", 40.0),
+               ("_canvas_update_kernel", 30.0),
                ("void at::native::vectorized_elementwise_kernel<...>", 40.0),
                ("void at::native::_scatter_gather_elementwise_kernel<...>", 20.0)]
     parts = profile_step.kernel_parts(kernels, steps=2)
     assert parts == pytest.approx({"head": 0.6, "statistics": 0.15, "operand": 0.09,
-                                   "support": 0.02, "soft embedding": 0.51, "rest": 0.03})
+                                   "support": 0.02, "soft embedding": 0.51, "canvas update": 0.015,
+                                   "rest": 0.03})
 
 
 def test_profiled_kernels_reads_profiler_averages(profile_step):
