@@ -61,7 +61,12 @@ import torch
 
 from . import keyed_noise
 from .checks import is_int
-from .kernels.contract import SAMPLE_BLOCK, RowStats, inverse_temperature  # noqa: F401 (re-exported)
+from .kernels.contract import (  # noqa: F401 (re-exported)
+    SAMPLE_BLOCK,
+    RowStats,
+    check_inverse_temperature,
+    inverse_temperature,
+)
 from .keyed_noise import Stream
 
 # The result type, the sampling-block size (step 5a) and the inverse temperature (step 4) are
@@ -138,6 +143,7 @@ def row_stats_rows(
     chunk_rows: int = 64,
     sample_block: int = SAMPLE_BLOCK,
     sample_key: torch.Tensor | None = None,
+    inv_t: torch.Tensor | None = None,
 ) -> RowStats:
     """Reference row statistics over flat rows (see the module docstring).
 
@@ -146,7 +152,9 @@ def row_stats_rows(
     the per-token noise is keyed by that id and argmax / sample are returned as ids (the
     sampling blocks still cut the columns). ``sample_key`` ([N] fp32, optional) receives
     the key ``lse_b + G_b`` of each row's winning sampling block (``-inf`` for greedy rows
-    and rows with nothing unmasked): the number a tensor-parallel merge compares.
+    and rows with nothing unmasked): the number a tensor-parallel merge compares. ``inv_t``:
+    ``inverse_temperature(temperature)`` where the caller has it already (a step computes it
+    once for every kernel).
     """
     n_rows, vocab = logits.shape
     device = logits.device
@@ -154,7 +162,10 @@ def row_stats_rows(
     if sample_key is not None:
         assert sample_key.shape == (n_rows,) and sample_key.dtype == torch.float32, \
             "sample_key must be an [N] float32 tensor"
-    inv_t = inverse_temperature(temperature)
+    if inv_t is None:
+        inv_t = inverse_temperature(temperature)
+    else:
+        check_inverse_temperature(inv_t, temperature)
     greedy = temperature.to(torch.float32) == 0
     out = RowStats(
         argmax=torch.zeros(n_rows, dtype=torch.int64, device=device),

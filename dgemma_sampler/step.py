@@ -398,9 +398,9 @@ def decode_step(
     column_tokens = masks.column_tokens
 
     def prologue():
-        # (the soft embedding's inverse temperature: its kernels' three calls share it)
+        # (the inverse temperature once: the statistics and the soft embedding's kernels share it)
         temperature = temperature_of(slots)
-        inv_t = reference.inverse_temperature(temperature) if soft is not None else None
+        inv_t = reference.inverse_temperature(temperature)
         return temperature, inv_t, state.seeds[slots], state.draws[slots]
 
     if update_runner is None:
@@ -408,7 +408,7 @@ def decode_step(
     else:
         temperature, inv_t, seeds, draws = update_runner.prologue(prologue, slots.device)
     kwargs = dict(softcap=masks.softcap, top_k=masks.top_k, top_p=masks.top_p,
-                  allowed=masks.allowed)
+                  allowed=masks.allowed, inv_t=inv_t)
     if column_tokens is not None:
         kwargs["column_tokens"] = column_tokens
     flat = kernels.row_stats_rows(logits, request, layout.position, temperature, seeds, draws,

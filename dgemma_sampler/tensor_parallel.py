@@ -187,8 +187,9 @@ def _check_local(local_logits, temperature, seeds, draws, softcap) -> None:
 
 
 def _local_partials_rows(flat, request, position, temperature, seeds, draws, *, vocab_start,
-                         softcap, backend, sample_block=reference.SAMPLE_BLOCK):
-    """``local_row_partials`` on flat rows ``[N, V_local]`` with their request / position."""
+                         softcap, backend, sample_block=reference.SAMPLE_BLOCK, inv_t=None):
+    """``local_row_partials`` on flat rows ``[N, V_local]`` with their request / position
+    (``inv_t``: the requests' inverse temperature, None: computed here)."""
     n, v_local = flat.shape
     device = flat.device
     reference.check_sample_block(sample_block)
@@ -206,19 +207,21 @@ def _local_partials_rows(flat, request, position, temperature, seeds, draws, *, 
         return packed, None
     run = kernels(ops.resolve_backend(backend, device)).row_stats_rows
     sample_key = torch.empty(n, dtype=torch.float32, device=device)
+    if inv_t is None:
+        inv_t = reference.inverse_temperature(temperature)
     stats = run(flat, request, position, temperature, seeds, draws, softcap=softcap,
-                vocab_offset=vocab_start, sample_block=sample_block, sample_key=sample_key)
+                vocab_offset=vocab_start, sample_block=sample_block, sample_key=sample_key,
+                inv_t=inv_t)
 
     # z of the local argmax, recomputed from one logit per row with the fp32 operations of
     # reference.py: the kernel does not export it, and one gathered logit per row costs
     # nothing next to the pass over the slice.
-    req = request.to(torch.int64)
-    inv_t = reference.inverse_temperature(temperature)[req]
+    row_inv_t = inv_t[request.to(torch.int64)]
 
     def z_of(token: torch.Tensor) -> torch.Tensor:
         local = (token - vocab_start).clamp(0, v_local - 1)  # all-masked rows: ignored later
         x = flat.gather(1, local.unsqueeze(1)).squeeze(1)
-        return torch.clamp(reference.softcapped(x, softcap) * inv_t, max=FLT_MAX)
+        return torch.clamp(reference.softcapped(x, softcap) * row_inv_t, max=FLT_MAX)
 
     keys = {"z_max": z_of(stats.argmax), "sample_key": sample_key}
     columns = [_f32_bits(keys[k]) for k in KEYS]
@@ -257,16 +260,18 @@ def row_stats_rows_local(
     allowed: torch.Tensor | None = None,
     backend: str = "auto",
     sample_block: int = reference.SAMPLE_BLOCK,
+    inv_t: torch.Tensor | None = None,
 ) -> RowStats:
     """Flat-row statistics of the full vocabulary from this rank's logits alone: ``local_logits``
     ``[N, V_local]`` are vocabulary ids ``[vocab_start, vocab_start + V_local)`` (a multiple of
     ``sample_block``), e.g. this rank's slice of the LM head applied to hidden states, never
     gathered. The ranks merge their packed partials with one all_gather. Returns the single-GPU
-    ``RowStats`` (global ids), identical on every rank."""
+    ``RowStats`` (global ids), identical on every rank. ``inv_t``: the requests'
+    ``inverse_temperature`` where the caller has it already."""
     _reject_constraints(top_k=top_k, top_p=top_p, allowed=allowed)
     packed, stats = _local_partials_rows(local_logits, row_request, row_position, temperature,
                                          seeds, draws, vocab_start=vocab_start, softcap=softcap,
-                                         backend=backend, sample_block=sample_block)
+                                         backend=backend, sample_block=sample_block, inv_t=inv_t)
     return _merge_ranks(packed, stats, temperature, row_request, world_size_of(group), group)
 
 

@@ -902,6 +902,7 @@ def row_stats_rows(
     sample_key: torch.Tensor | None = None,
     config: dict | None = None,
     noise_filter: bool = True,
+    inv_t: torch.Tensor | None = None,
 ) -> RowStats:
     """Triton twin of ``reference.row_stats_rows`` (same arguments, same result; inputs are
     validated by the caller, ``dgemma_sampler.ops``, and only asserted here). The kernel keeps
@@ -929,7 +930,11 @@ def row_stats_rows(
     top_k = top_k.contiguous() if top_k is not None else None
     top_p = top_p.contiguous() if top_p is not None else None
     column_tokens = column_tokens.contiguous() if column_tokens is not None else None
-    inv_t = contract.inverse_temperature(temperature).contiguous()
+    if inv_t is None:
+        inv_t = contract.inverse_temperature(temperature)
+    else:
+        contract.check_inverse_temperature(inv_t, temperature)
+    inv_t = inv_t.contiguous()
     temp32 = temperature.to(torch.float32).contiguous()
     softcap_c = 0.0 if softcap is None else float(softcap)
     done = None
