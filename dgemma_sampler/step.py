@@ -176,7 +176,7 @@ def _stats_padded(
 def use_triton_update(device: torch.device, backend: str = "auto") -> bool:
     """Whether the step's update runs its Triton kernels (``kernels/canvas_update.py``, and the
     keyed random canvases of ``kernels/random_tokens.py``): always on CUDA (one launch instead
-    of ~40 small operators and a sort, or ~120 int64 tensor ops for the canvases), and under the
+    of ~60 small operators and a sort, or ~120 int64 tensor ops for the canvases), and under the
     interpreter when the step's backend is Triton (so the CPU tests run the kernels); the
     PyTorch twins elsewhere."""
     if backend not in ("auto", "triton", "torch"):

@@ -22,7 +22,7 @@ The prefix sums are those of PyTorch on the CPU (``torch.cumsum`` of fp32 accumu
 double, in order, and rounds each prefix to fp32), so the accepted set is the oracle's bit for
 bit; PyTorch on a GPU scans in fp32 in a tree order, whose prefixes can differ in the last bit.
 
-Why one kernel: the twin is ~40 small operators and a segmented sort. Each costs a GPU
+Why one kernel: the twin is ~60 small operators, a segmented sort among them. Each costs a GPU
 ~2-3 us even replayed from a CUDA graph, ~0.15 ms per step whatever the batch, about a tenth of a
 one-request step. Here one program per request does it all in registers:
 
