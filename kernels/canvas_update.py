@@ -24,7 +24,7 @@ bit; PyTorch on a GPU scans in fp32 in a tree order, whose prefixes can differ i
 
 Why one kernel: the twin is ~60 small operators, a segmented sort among them. Each costs a GPU
 ~2-3 us even replayed from a CUDA graph, ~0.15 ms per step whatever the batch, about a tenth of a
-one-request step. Here one program per request does it all in registers:
+one-request step. Here one program per request does it all in one launch:
 
 * ranks by comparison (``W x W`` compares in chunks, ~65k at W = 256), no sort;
 * the ranked entropies are scattered to a scratch row, read back in rank order by a scalar
