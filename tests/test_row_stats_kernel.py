@@ -351,6 +351,27 @@ def test_column_tokens_and_softcap(interpret, poisoned):
     check(*args, softcap=30.0, column_tokens=column_tokens, near_ties_allowed=2)
 
 
+def test_given_inverse_temperature(interpret):
+    """A step's own ``inv_t`` gives the same statistics as the one each backend computes, and
+    one of the wrong shape or dtype is refused."""
+    gen = torch.Generator().manual_seed(16)
+    n_rows, vocab, n_req = 6, 700, 3
+    logits = torch.randn(n_rows, vocab, generator=gen) * 3
+    temperature, seeds, draws = _requests(n_req, gen)
+    row_request, row_position = _rows(n_rows, n_req, gen)
+    args = _on(interpret, logits, row_request, row_position, temperature, seeds, draws)
+    inv_t = reference.inverse_temperature(args[3])
+    for run, kw in ((rs.row_stats_rows, dict(config=CPU_CONFIG)), (reference.row_stats_rows, {})):
+        own = run(*args, softcap=30.0, sample_block=512, **kw)
+        given = run(*args, softcap=30.0, sample_block=512, inv_t=inv_t, **kw)
+        for a, b in zip(own.as_tuple(), given.as_tuple()):
+            assert torch.equal(a, b)
+        with pytest.raises(AssertionError, match="inv_t must be fp32"):
+            run(*args, inv_t=inv_t[:1], **kw)
+        with pytest.raises(AssertionError, match="inv_t must be fp32"):
+            run(*args, inv_t=inv_t.double(), **kw)
+
+
 def test_softcap_special_rows(interpret, poisoned):
     """With a softcap, -inf logits become -c (kept, as in the oracle) but the padding past
     the row end must stay masked: rows of one NaN entry, special rows, and top-k/top-p."""
