@@ -21,6 +21,9 @@ and the rest as ``dgemma_sampler.step.denoise_update``, its PyTorch twin, spells
 The prefix sums are those of PyTorch on the CPU (``torch.cumsum`` of fp32 accumulates in a
 double, in order, and rounds each prefix to fp32), so the accepted set is the oracle's bit for
 bit; PyTorch on a GPU scans in fp32 in a tree order, whose prefixes can differ in the last bit.
+The mean entropy of the confidence test is a sum in the kernel's own (tree) order, rounded
+division included; where it lies within an ulp of ``confidence_threshold`` the verdict can
+differ from the twin's (whose CPU sum runs in yet another order).
 
 Why one kernel: the twin is ~60 small operators, a segmented sort among them. Each costs a GPU
 ~2-3 us even replayed from a CUDA graph, ~0.15 ms per step whatever the batch, about a tenth of a
@@ -90,14 +93,15 @@ def _canvas_update_kernel(
     arg = tl.load(argmax_ptr + stat_row + pos, mask=live, other=0)
     smp = tl.load(sample_ptr + stat_row + pos, mask=live, other=0)
 
-    # 3. Confidence: the mean entropy over the canvas, phantom positions included.
-    confident = tl.sum(tl.where(inside, ent, 0.0), axis=0) / width.to(tl.float32) \
+    # 3. Confidence: the mean entropy over the canvas, phantom positions included (a rounded
+    # division, as torch's; Triton's ``/`` is an approximate one).
+    confident = tl.div_rn(tl.sum(tl.where(inside, ent, 0.0), axis=0), width.to(tl.float32)) \
         < confidence_threshold
 
     # 4. Acceptance. Ranks by comparison: rank_i = #{j live: j ranks before i}.
     key = tl.where(inside, ent, float("inf"))
     rank = tl.zeros([BLOCK_W], tl.int32)
-    for c in tl.static_range(0, BLOCK_W, CHUNK):
+    for c in range(0, BLOCK_W, CHUNK):  # (not unrolled: compile time would grow as W^2)
         pc = c + tl.arange(0, CHUNK)
         ec = tl.load(entropy_ptr + stat_row + pc, mask=pc < W, other=0.0)
         kc = tl.where(pc < width, ec, float("inf"))
@@ -171,6 +175,8 @@ def _canvas_update_kernel(
     new_canvas = tl.where(just_converged, arg, new_canvas)
     tl.store(canvas_ptr + slot_row + pos, new_canvas, mask=inside)
 
+    # Every warp has read the slot's scalars above before any of them is written.
+    tl.debug_barrier()
     tl.store(step_ptr + slot, step_after)
     tl.store(confident_ptr + slot, confident)
     tl.store(hist_len_ptr + slot, new_hist_len)

@@ -18,8 +18,10 @@ WRITTEN = ("canvas", "argmax_canvas", "accepted_canvas_history", "accepted_canva
 
 
 def make_states(device, canvas, widths, *, ring=3, max_steps=6, pins=True, read_only=(1,)):
+    """Two equal states (kernel, twin) of requests in slots 1..n; ``ring`` rows in the
+    stability ring (``stability_threshold + 1``)."""
     cfg = ds.SamplerConfig(canvas_length=canvas, max_denoising_steps=max_steps,
-                           confidence_threshold=0.5, stability_threshold=ring)
+                           confidence_threshold=0.5, stability_threshold=ring - 1)
     n = len(widths)
     states = []
     for _ in range(2):
@@ -72,13 +74,14 @@ def run_both(device, states, slots, stats, widths, W, valid, cfg, pins):
     return got, twin
 
 
-@pytest.mark.parametrize("canvas,widths,pins", [
-    (16, [16, 16, 16], True),
-    (24, [20, 24, 9, 24], True),     # narrow canvases (a 24-wide step over widths below it)
-    (13, [13, 13, 13], False),        # not a power of two, no pins
+@pytest.mark.parametrize("canvas,widths,pins,ring", [
+    (16, [16, 16, 16], True, 2),        # the default ring
+    (24, [20, 24, 9, 24], True, 3),     # narrow canvases (a 24-wide step over widths below it)
+    (13, [13, 13, 13], False, 4),        # not a power of two, no pins
 ])
-def test_canvas_update_matches_twin(interpret, canvas, widths, pins):
-    cfg, states = make_states(interpret, canvas, widths, pins=pins)
+def test_canvas_update_matches_twin(interpret, canvas, widths, pins, ring):
+    cfg, states = make_states(interpret, canvas, widths, pins=pins, ring=ring)
+    assert states[0].accepted_canvas_history.shape[1] == ring
     n, W = len(widths), canvas
     slots = torch.arange(1, n + 1, device=interpret)
     width = torch.tensor(widths, device=interpret)
