@@ -125,7 +125,7 @@ def _canvas_update_kernel(
     # (Scalar booleans are negated as ``x == 0`` and join tensor masks through ``tl.where``:
     # in the interpreter ``~`` of a scalar and ``&`` of a scalar and a tensor give no booleans.)
     is_commit = tl.load(phase_ptr + slot) != 0
-    is_denoise = tl.load(phase_ptr + slot) == 0
+    is_denoise = is_commit == 0
     step_after = tl.where(is_denoise, tl.load(step_ptr + slot) + 1, 0)
     seed = tl.load(seeds_ptr + slot)
     draw = tl.load(draws_ptr + slot)
@@ -162,7 +162,7 @@ def _canvas_update_kernel(
     # A converging denoise step commits next (a commit step never converges again).
     just_converged = converged & is_denoise
     read_only = tl.load(read_only_ptr + slot) != 0
-    writable = tl.load(read_only_ptr + slot) == 0
+    writable = read_only == 0
     emit = is_commit | (just_converged & read_only)
     tl.store(sampled_ptr + stat_row + pos, tl.where(tl.where(emit, inside, False), argmax_canvas, 0),
              mask=live)

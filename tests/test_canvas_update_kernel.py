@@ -61,7 +61,7 @@ def stats_for(it, n, W, widths, device, *, peaked_after=2):
     return RowStats(*(t.to(device) for t in stats.as_tuple()))
 
 
-def run_both(device, states, slots, stats, widths, W, valid, cfg, pins):
+def run_both(states, slots, stats, widths, W, valid, cfg, pins):
     twin = step_mod.denoise_update(
         states[1], slots, stats, valid, widths, W, confidence_threshold=cfg.confidence_threshold,
         entropy_bound=cfg.entropy_bound, vocab_size=VOCAB, noise_backend="torch")
@@ -91,7 +91,7 @@ def test_canvas_update_matches_twin(interpret, canvas, widths, pins, ring):
     seen = set()
     for it in range(6):
         stats = stats_for(it, n, W, widths, interpret)
-        got, twin = run_both(interpret, states, slots, stats, width, W, valid, cfg, pins)
+        got, twin = run_both(states, slots, stats, width, W, valid, cfg, pins)
         sampled, num_sampled, converged, keep = got
         t_sampled, t_num, t_keep, t_conv, t_pinned = twin
         assert torch.equal(sampled, t_sampled), it
