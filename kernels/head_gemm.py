@@ -181,8 +181,13 @@ def head_gemm_kernel(
                             mask=(rows < M)[:, None] & (ks < H)[None, :], other=0.0)
                 b = tl.load(w_ptr + cols.to(tl.int64)[:, None] * stride_w + ks[None, :],
                             mask=(cols < V)[:, None] & (ks < H)[None, :], other=0.0)
-            if INTERPRET:  # the interpreter's 16-bit tl.dot is wrong; 16-bit values are exact in fp32
-                acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
+            if INTERPRET:
+                # The interpreter's 16-bit tl.dot is wrong, and its fp32 one is the host BLAS,
+                # whose sums can round differently by a row's place in the tile (OpenBLAS's
+                # edge kernels): a product summed per entry, in the same order for every row.
+                # 16-bit values and their products are exact in fp32.
+                prod = a.to(tl.float32)[:, :, None] * tl.trans(b.to(tl.float32))[None, :, :]
+                acc += tl.sum(prod, axis=1)
             else:
                 acc = tl.dot(a, tl.trans(b), acc)
         if USE_TMA:
