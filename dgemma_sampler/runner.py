@@ -63,6 +63,7 @@ from .step import (
     StepOutput,
     decode_step,
     step_layout,
+    use_triton_update,
 )
 from .step_graph import StepGraph, graphable_bytes
 from .update_graph import UpdateGraph
@@ -249,6 +250,22 @@ class StepRunner:
             return self.cfg.temperature(steps).to(torch.float32)
         # max(N - n, 1) is constant past n = N - 1, so the table's last entry covers n >= N.
         return self._temperature_table[steps.clamp(min=0, max=self.cfg.max_denoising_steps)]
+
+    def request_inputs(self, slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``(temperature, inv_t, seeds, draws)`` of the requests in ``slots`` (int64, on the
+        device): the schedule temperature now, its inverse (``reference.inverse_temperature``,
+        computed once for every kernel of the step) and the keyed-noise seed and draw. Where the
+        step's update runs its Triton kernels and the schedule has a table, one launch
+        (``kernels/request_prologue.py``, bit for bit these operators)."""
+        state = self.state
+        if self._temperature_table is not None and use_triton_update(slots.device, self.backend):
+            from .kernels.request_prologue import request_prologue
+
+            return request_prologue(slots, state.step, state.seeds, state.draws,
+                                    self._temperature_table)
+        temperature = self.temperature_of(slots)
+        return (temperature, reference.inverse_temperature(temperature), state.seeds[slots],
+                state.draws[slots])
 
     def tile_requests(self, width: int, vocab: int, logits_itemsize: int) -> int:
         """Requests per tile: ``budget // bytes_per_request``, the budget re-read now."""
@@ -441,7 +458,7 @@ class StepRunner:
                          column_tokens=column_tokens)
         return decode_step(self.state, tile_logits, plan.batch, cfg=self.cfg,
                            vocab_size=self.vocab_size, kernels=step_kernels,
-                           temperature_of=self.temperature_of, masks=masks, soft=soft,
+                           request_inputs=self.request_inputs, masks=masks, soft=soft,
                            update_runner=plan.update_graph)
 
     def _embed_for(self, column_tokens: torch.Tensor | None) -> torch.Tensor:

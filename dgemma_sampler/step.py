@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from . import envs, reference, support
+from . import envs, support
 from .kernels.contract import PHANTOM_ENTROPY, PHANTOM_TOKEN, ROW_STATS
 from .keyed_noise import Stream, random_tokens
 from .reference import RowStats
@@ -369,7 +369,7 @@ def decode_step(
     cfg: SamplerConfig,
     vocab_size: int,
     kernels: Kernels,
-    temperature_of: Callable[[torch.Tensor], torch.Tensor],
+    request_inputs: Callable[[torch.Tensor], tuple[torch.Tensor, ...]],
     masks: RowMasks = NO_MASKS,
     soft: SelfConditioning | None = None,
     update_runner: UpdateRunner | None = None,
@@ -379,8 +379,10 @@ def decode_step(
     ``cfg`` gives the acceptance bound, the confidence threshold and the soft embedding's tail
     tolerance (``tail_eps``, ``support.py``; a vocabulary slice of the embedding gets the share
     ``tail_eps * V_local / V``, so the all-reduced sum keeps it); ``vocab_size`` the vocabulary
-    random tokens come from. ``kernels`` are the backend's flat-row operations
-    (``backend.Kernels``). ``soft`` None: no soft embedding. ``update_runner`` (an
+    random tokens come from. ``request_inputs(slots)`` gives the requests' ``(temperature,
+    inv_t, seeds, draws)`` (``StepRunner.request_inputs``; the inverse temperature once, shared
+    by the statistics and the soft embedding's kernels). ``kernels`` are the backend's flat-row
+    operations (``backend.Kernels``). ``soft`` None: no soft embedding. ``update_runner`` (an
     ``UpdateRunner``: ``update_graph.UpdateGraph``) runs the step's logits-free parts for the
     caller, from CUDA graphs: ``prologue(fn, device)`` the per-request gathers,
     ``update_runner(update, flat)`` the state update (``update_after_stats``) and
@@ -398,10 +400,7 @@ def decode_step(
     column_tokens = masks.column_tokens
 
     def prologue():
-        # (the inverse temperature once: the statistics and the soft embedding's kernels share it)
-        temperature = temperature_of(slots)
-        inv_t = reference.inverse_temperature(temperature)
-        return temperature, inv_t, state.seeds[slots], state.draws[slots]
+        return request_inputs(slots)
 
     if update_runner is None:
         temperature, inv_t, seeds, draws = prologue()

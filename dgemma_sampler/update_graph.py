@@ -1,12 +1,12 @@
 """The logits-free parts of a decode step, replayed from CUDA graphs while the batch keeps its shape.
 
-Around the two kernels that read the logits a step runs ~60 small PyTorch operators: before
-them the per-request gathers (temperature and its inverse, seeds, draws), between them the state
-update (padding, acceptance sort, renoise, ring, convergence, commit bookkeeping; see
-``step.update_after_stats``). Each costs the host 15-25 us to dispatch and the GPU ~1-2 us to
-run, so with few requests the eager step is bound by the host: most of its host time is spent
-outside the two kernels' calls, and the GEMM, which needs the update's ``keep``, waits behind
-that host work.
+Around the two kernels that read the logits a step does small work: before them the
+per-request gathers (temperature and its inverse, seeds, draws), between them the state update
+(padding, acceptance, renoise, ring, convergence, commit bookkeeping; see
+``step.update_after_stats``). In PyTorch that is ~70 small operators; on a GPU it is two Triton
+launches (``kernels/request_prologue.py``, ``kernels/canvas_update.py``) and a few operators.
+Each launch costs the host 15-40 us and the GPU a few, so with few requests the eager step is
+bound by the host, and the GEMM, which needs the update's ``keep``, waits behind that host work.
 
 Neither part reads the logits: the gathers read the persistent state, the update the flat
 statistics, the state and the batch's layout. So each is captured once per tile plan and

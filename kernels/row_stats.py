@@ -620,7 +620,8 @@ def _row_stats_kernel(
     row_request_ptr, row_position_ptr,           # [N] int: request of the row, canvas position
     temperature_ptr, inv_t_ptr,                  # [R] fp32: T (0 = greedy), 1 / max(T, 1e-10)
     seeds_ptr, draws_ptr,                        # [R] int64
-    threshold_ptr, done_ptr,                     # [N] fp32 keep x >= t; [N] int8 row finished
+    threshold_ptr, done_ptr,                     # [N] fp32 keep x >= t (-inf written here when
+                                                 # no threshold); [N] int8 row finished
     allowed_ptr, allowed_stride,                 # [R, V] bool
     column_tokens_ptr,                           # [V] int64 token id of each column
     argmax_ptr, sample_ptr, entropy_ptr, lse_ptr, has_nan_ptr,  # [N] outputs
@@ -664,6 +665,8 @@ def _row_stats_kernel(
     if HAS_THRESHOLD:
         threshold = tl.load(threshold_ptr + row)
         todo = tl.load(done_ptr + row) == 0
+    elif part == 0:
+        tl.store(threshold_ptr + row, threshold)  # the row's output: nothing cut (-inf)
     n_cols = tl.where(todo, vocab, 0)
     # The walk starts on the sampling-block boundary at or before the slice: column
     # `start` runs from -lead (masked) so that vocabulary blocks never straddle two
@@ -938,9 +941,7 @@ def row_stats_rows(
     temp32 = temperature.to(torch.float32).contiguous()
     softcap_c = 0.0 if softcap is None else float(softcap)
     done = None
-    if top_k is None and top_p is None:
-        out.threshold.fill_(float("-inf"))
-    else:
+    if top_k is not None or top_p is not None:
         from .topk_topp import threshold_rows
 
         done = threshold_rows(

@@ -40,7 +40,7 @@ def general_step(sampler, logits, slots, valid):
     return step_mod.decode_step(
         s, logits, batch, cfg=sampler.cfg, vocab_size=s.vocab_size,
         kernels=backend.kernels(sampler.backend),
-        temperature_of=lambda sl: sampler.cfg.temperature(s.step[sl]).to(torch.float32),
+        request_inputs=sampler.runner.request_inputs,
         soft=step_mod.SelfConditioning(sampler.embed_weight, sampler.normalizer))
 
 

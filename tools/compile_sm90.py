@@ -28,7 +28,8 @@ those head tiles instead and says which would launch (``tools/head_configs.py`` 
 ``--row-stats`` compiles the row-statistics kernel instead (fp32 / bf16 logits, the descriptor
 walk, unsplit and split into parts) and checks, in the split kernel's PTX, what its merge
 relies on: every atomic of a program issued under one predicate (its thread 0).
-``--canvas-update`` compiles the step's canvas update (``canvas_update.py``).
+``--canvas-update`` compiles the step's canvas update (``canvas_update.py``) and its
+per-request prologue (``request_prologue.py``).
 """
 
 from __future__ import annotations
@@ -187,7 +188,8 @@ def compile_head(ptxas: str, configs: str | None = None) -> bool:
 
 def compile_canvas_update(ptxas: str) -> bool:
     """Compile the canvas-update kernel (``canvas_update.py``) for 32 requests of a 256-wide
-    canvas, with and without pins; report registers, spills and shared memory."""
+    canvas, with and without pins, and the request prologue (``request_prologue.py``); report
+    registers, spills and shared memory."""
     import torch
 
     import dgemma_sampler as ds
@@ -210,7 +212,15 @@ def compile_canvas_update(ptxas: str) -> bool:
         print(f"{'canvas_update' + ('_pins' if pins else ''):20s} shared {kernel.metadata.shared} B"
               " | " + " | ".join(lines))
         ok &= report.returncode == 0
-    return ok
+    # The step's other small kernel: the per-request prologue before the statistics.
+    from dgemma_sampler.kernels.request_prologue import request_prologue
+
+    request_prologue(slots, state.step, state.seeds, state.draws, torch.ones(9))
+    kernel = compiled[-1]
+    with tempfile.TemporaryDirectory() as tmp:
+        report, lines = assemble(ptxas, kernel.asm["ptx"], os.path.join(tmp, "k.cubin"))
+    print(f"{'request_prologue':20s} shared {kernel.metadata.shared} B | " + " | ".join(lines))
+    return ok and report.returncode == 0
 
 
 def main() -> None:
