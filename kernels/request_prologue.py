@@ -8,13 +8,13 @@ count, where the schedule is flat)::
     inv_t_j = 1 / max(T_j, GREEDY_CLAMP)        (a correctly rounded fp32 division)
     seed_j  = seeds[s_j],  draw_j = draws[s_j]
 
-Bit for bit the result of the PyTorch twin (``StepRunner.request_prologue`` without a
-kernel: three gathers, two clamps and a reciprocal, ``contract.inverse_temperature``): gathers
-copy, and both sides divide with IEEE rounding. One launch instead of seven matters to a small
-step replayed from a CUDA graph, where every node costs the GPU a few microseconds whatever
-it does.
+Bit for bit the result of the PyTorch twin (``StepRunner.request_inputs`` without a kernel:
+four gathers, two clamps and a reciprocal, ``contract.inverse_temperature``): gathers copy, both
+sides divide with IEEE rounding, and a NaN temperature stays NaN through the clamp as in
+``torch.clamp``. One launch instead of seven matters to a small step replayed from a CUDA
+graph, where every node costs the GPU a few microseconds whatever it does.
 
-Traffic: ~30 bytes per request.
+Traffic: ~56 bytes per request (32 read, 24 written).
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ def _request_prologue_kernel(
     t = tl.load(table_ptr + steps, mask=live, other=1.0)
     tl.store(temperature_ptr + j, t, mask=live)
     # tl.div_rn: Triton's own ``/`` on fp32 is an approximate division.
-    tl.store(inv_t_ptr + j, tl.div_rn(tl.full(t.shape, 1.0, tl.float32), tl.maximum(t, CLAMP)),
-             mask=live)
+    clamped = tl.maximum(t, CLAMP, propagate_nan=tl.PropagateNan.ALL)
+    tl.store(inv_t_ptr + j, tl.div_rn(tl.full(t.shape, 1.0, tl.float32), clamped), mask=live)
     tl.store(seeds_out_ptr + j, tl.load(seeds_ptr + slot, mask=live, other=0), mask=live)
     tl.store(draws_out_ptr + j, tl.load(draws_ptr + slot, mask=live, other=0), mask=live)
 

@@ -14,14 +14,21 @@ def torch_twin(slots, step, seeds, draws, table):
 
 
 def state_vectors(n_slots, gen, device):
-    step = torch.randint(-3, 40, (n_slots,), generator=gen, dtype=torch.int32).to(device)
+    step = torch.randint(-3, 14, (n_slots,), generator=gen, dtype=torch.int32).to(device)
     seeds = torch.randint(-(2**63), 2**63 - 1, (n_slots,), generator=gen).to(device)
     draws = torch.randint(0, 2**62, (n_slots,), generator=gen).to(device)
     return step, seeds, draws
 
 
-# Greedy (0), below the clamp, ordinary schedule values, one whose reciprocal rounds, large.
-TABLE = [0.0, 1e-12, 1e-10, 0.3, 1.0 / 3.0, 0.7, 1.0, 1.5, 3.0, 1e30]
+# Greedy (0), below the clamp, ordinary schedule values, one whose reciprocal rounds, large,
+# and NaN (no schedule makes one: SamplerConfig refuses non-finite bounds; NaN stays NaN).
+TABLE = [0.0, 1e-12, 1e-10, 0.3, 1.0 / 3.0, 0.7, 1.0, 1.5, 3.0, 1e30, float("nan")]
+
+
+def assert_same(got, want, name=""):
+    """Equal bit for bit, NaN where the other is NaN."""
+    assert got.dtype == want.dtype and got.shape == want.shape, name
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True, msg=name)
 
 
 @pytest.mark.parametrize("n,n_slots", [(0, 4), (1, 1), (5, 9), (130, 300)])
@@ -38,10 +45,10 @@ def test_request_prologue_matches_twin(interpret, n, n_slots):
     got = request_prologue(slots, step, seeds, draws, table)
     want = torch_twin(slots, step, seeds, draws, table)
     for name, g, w in zip(("temperature", "inv_t", "seeds", "draws"), got, want):
-        assert g.dtype == w.dtype and g.shape == (n,), name
-        assert torch.equal(g, w), name
-    if n:
-        assert got[1].isfinite().all()  # greedy rows get 1 / GREEDY_CLAMP, not inf
+        assert g.shape == (n,), name
+        assert_same(g, w, name)
+    # greedy rows get 1 / GREEDY_CLAMP, not inf
+    assert got[1][got[0] == 0].eq(1.0 / torch.tensor(contract.GREEDY_CLAMP)).all()
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -104,4 +111,4 @@ def test_request_prologue_matches_twin_gpu():
     slots = torch.randperm(1000, generator=gen)[:300].cuda()
     got = request_prologue(slots, step, seeds, draws, table)
     for g, w in zip(got, torch_twin(slots, step, seeds, draws, table)):
-        assert torch.equal(g, w)
+        assert_same(g, w)
