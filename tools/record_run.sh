@@ -46,6 +46,9 @@ fi
 tag=$(cd "$root" && python -c "import sys; sys.path.insert(0, 'bench'); import record
 print(record.card_tag(record.card_name()))") || tag=unknown
 
+# One stage's command through on_device.sh, under the stage's name and limit.
+run() { OUT=$logs LIMIT=$limit bash "$root/tools/on_device.sh" "$name" "$@"; }
+
 failed=0
 for name in $stages; do
     case $name in
@@ -61,7 +64,6 @@ for name in $stages; do
         failed=$((failed + 1))
         continue
     fi
-    run() { OUT=$logs LIMIT=$limit bash "$root/tools/on_device.sh" "$name" "$@"; }
     case $name in
         tests) run python -m pytest -q -m gpu -n 4 -p no:cacheprovider ../tests ;;
         runner) run python bench_runner.py --peaked --no-secondary "${with_vllm[@]}" ;;
