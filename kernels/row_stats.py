@@ -60,11 +60,13 @@ on an SM, 4 per scheduler). What keeps each warp busy:
   its row state (max, arg-max, sums, NaN flag, best block key and column) in a scratch slot
   and counts itself in on a per-row counter. The part that arrives last merges the parts in
   vocabulary order (``_merge_partials``), runs stage b and writes the row, and puts the
-  counter back to zero (so a CUDA graph replays it). Every scalar atomic of a program is
-  issued by its thread 0 with acq_rel semantics (sm_90 PTX, Triton 3.6 and 3.9), so that the
-  counting in orders the slot writes before the merger's reads. The split depends on the
-  config and the row length only, never on the number of rows, so a request's bits stay
-  independent of its batch.
+  counter back to zero (so a CUDA graph replays it). The count is a part's only atomic:
+  issued by its thread 0 after a barrier, with acq_rel semantics, it publishes the slot's
+  plain stores (release) and orders the merger's reads after every part's (acquire). Atomic
+  slot words would each cost a fence (on sm_90 a ``MEMBAR.ALL.GPU`` and an L1 invalidation
+  each), one after the other in the row's tail. The split depends on the config and the row
+  length only, never on the number of rows, so a request's bits stay independent of its
+  batch.
 
 Why two stages and not one Gumbel-max over the row: the keyed per-token noise costs a
 32-bit hash per entry, about 20 instructions even behind a filter, several times the
@@ -479,22 +481,21 @@ PARTIAL_WORDS = tl.constexpr(8)
 
 @triton.jit
 def _file_partial(slot_ptr, m, arg, r_row, a_row, has_nan, best, best_start):
-    """Publish one part's row state. Atomic writes (from the one thread that issues a scalar
-    atomic, the same that then counts the part in with release semantics), so the merging
-    program sees them all once it has counted the last arrival."""
-    tl.atomic_xchg(slot_ptr + 0, m.to(tl.int32, bitcast=True))
-    tl.atomic_xchg(slot_ptr + 1, arg)
-    tl.atomic_xchg(slot_ptr + 2, r_row.to(tl.int32, bitcast=True))
-    tl.atomic_xchg(slot_ptr + 3, a_row.to(tl.int32, bitcast=True))
-    tl.atomic_xchg(slot_ptr + 4, has_nan)
-    tl.atomic_xchg(slot_ptr + 5, best.to(tl.int32, bitcast=True))
-    tl.atomic_xchg(slot_ptr + 6, best_start)
+    """Write one part's row state to its slot with plain stores: the count of the part's
+    arrival that follows (a barrier, then a release) publishes them."""
+    tl.store(slot_ptr + 0, m.to(tl.int32, bitcast=True))
+    tl.store(slot_ptr + 1, arg)
+    tl.store(slot_ptr + 2, r_row.to(tl.int32, bitcast=True))
+    tl.store(slot_ptr + 3, a_row.to(tl.int32, bitcast=True))
+    tl.store(slot_ptr + 4, has_nan)
+    tl.store(slot_ptr + 5, best.to(tl.int32, bitcast=True))
+    tl.store(slot_ptr + 6, best_start)
 
 
 @triton.jit
 def _read_word(ptr):
-    # An atomic read (adding 0) is served where the atomics wrote: never a stale L1 line.
-    return tl.atomic_add(ptr, 0)
+    # Read after the merger's acquire of the count, from L2 (.cg), where the parts wrote.
+    return tl.load(ptr, cache_modifier=".cg")
 
 
 @triton.jit
@@ -762,9 +763,13 @@ def _row_stats_kernel(
         # File this part's row state; the part that arrives last merges all of them.
         slot_ptr = partials_ptr + pid.to(tl.int64) * PARTIAL_WORDS
         _file_partial(slot_ptr, m, arg, r_row, a_row, has_nan, best, best_start)
+        # Every thread's slot stores before thread 0's count (release: they are published
+        # with it; acquire: the merger reads the other parts' slots after it).
+        tl.debug_barrier()
         arrived = tl.atomic_add(arrivals_ptr + row, 1, sem="acq_rel")
         if arrived == PARTS - 1:
-            tl.atomic_xchg(arrivals_ptr + row, 0)  # ready for the next launch (graph replays)
+            # Every part has counted in: nothing else touches the counter in this launch.
+            tl.store(arrivals_ptr + row, 0)  # ready for the next launch (graph replays)
             m, arg, r_row, a_row, has_nan, best, best_start = _merge_partials(
                 partials_ptr + row.to(tl.int64) * (PARTS * PARTIAL_WORDS), PARTS)
             _finish_row(m, arg, r_row, a_row, has_nan, best, best_start, row, row_ptr, n_cols,

@@ -213,8 +213,10 @@ def support_kernel(
     count = tl.where(kept, count, -1)
     tl.store(path_ptr + row, path.to(tl.int8))
     tl.store(count_ptr + row, count)
-    if HAS_PATH_ROWS:  # integer adds: the counts do not depend on the order rows arrive in
-        tl.atomic_add(path_rows_ptr + path, 1)
+    if HAS_PATH_ROWS:
+        # Integer adds: the counts do not depend on the order rows arrive in. Relaxed: they
+        # are read by later launches only, so no fence is needed (acq_rel costs one per row).
+        tl.atomic_add(path_rows_ptr + path, 1, sem="relaxed")
     tl.store(ids_ptr + row * K, a_loc.to(tl.int32), mask=top1)
 
 

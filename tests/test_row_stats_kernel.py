@@ -629,7 +629,7 @@ def test_vocabulary_parts_config_rejects(interpret, blocks):
 def test_kernel_compiles_for_sm90_without_spills():
     """The kernel, unsplit and split, compiles for sm_90 with the Triton installed here (in CI
     the latest release; the device runs 3.6) without register spills, and the split kernel
-    issues all its atomics under one predicate, as its merge needs (``tools/compile_sm90.py
+    issues one atomic, acq_rel from its thread 0, as its merge needs (``tools/compile_sm90.py
     --row-stats``: a stand-in driver, no GPU)."""
     tools = Path(__file__).resolve().parents[1] / "tools"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -27,7 +27,8 @@ those head tiles instead and says which would launch (``tools/head_configs.py`` 
 
 ``--row-stats`` compiles the row-statistics kernel instead (fp32 / bf16 logits, the descriptor
 walk, unsplit and split into parts) and checks, in the split kernel's PTX, what its merge
-relies on: every atomic of a program issued under one predicate (its thread 0).
+relies on: one atomic per program, the count of its arrival, issued by its thread 0 with
+acq_rel semantics.
 ``--canvas-update`` compiles the step's canvas update (``canvas_update.py``) and its
 per-request prologue (``request_prologue.py``).
 """
@@ -100,7 +101,9 @@ def recording_compiles() -> list:
 def compile_row_stats(args, ptxas: str) -> bool:
     """Compile ``row_stats_rows``'s kernel as an H200 would run it (the descriptor walk forced
     on: its test needs a CUDA tensor) for each dtype, unsplit and split; report registers and
-    spills, and check the split kernel's atomics. Returns whether all is well."""
+    spills, and check the split kernel's atomic. Returns whether all is well."""
+    import re
+
     import torch
 
     from dgemma_sampler.kernels import row_stats as rs
@@ -121,7 +124,8 @@ def compile_row_stats(args, ptxas: str) -> bool:
             with tempfile.TemporaryDirectory() as tmp:
                 report, lines = assemble(ptxas, kernel.asm["ptx"], os.path.join(tmp, "k.cubin"))
             n_atomics, predicates = atomic_predicates(kernel.asm["ptx"])
-            atomics_ok = (n_atomics > 0 and len(predicates) == 1 and "" not in predicates
+            acq_rel = len(re.findall(r"atom\.global\.(?:gpu\.)?acq_rel\.(?:gpu\.)?add", kernel.asm["ptx"]))
+            atomics_ok = (n_atomics == acq_rel == 1 and "" not in predicates
                           if blocks else n_atomics == 0)
             print(f"{name:20s} shared {kernel.metadata.shared} B | " + " | ".join(lines)
                   + f" | atomics {n_atomics} under {len(predicates)} predicate(s)"
