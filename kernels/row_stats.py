@@ -554,12 +554,7 @@ def _finish_row(m, arg, r_row, a_row, has_nan, best, best_start, row, row_ptr, n
                 HAS_SAMPLE_KEY: tl.constexpr, NOISE_FILTER: tl.constexpr,
                 SAMPLE_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
     """A row's outputs from its walked state: lse and entropy, and stage b of the draw (the
-    per-token Gumbel-max over the winning sampling block, read again).
-
-    Stage b reads the block in ``BLOCK``-wide pieces, one after the other: it is the row's
-    tail, one warp waiting on each load, so its pieces are wider than the walk's. The result
-    does not depend on the width: the filter only skips what cannot win, ties go to the
-    lowest column within a piece and to the earlier piece between pieces."""
+    per-token Gumbel-max over the winning sampling block, read again)."""
     offs = tl.arange(0, BLOCK)
     entropy, lse = finish_stats(m, r_row, a_row)
     chosen = arg
@@ -652,7 +647,6 @@ def _row_stats_kernel(
     TMA_STAGES: tl.constexpr,    # groups in flight in shared memory on the descriptor walk
     PARTS: tl.constexpr,         # programs per row, each walking PART_LEN positions (1: no split)
     PART_LEN: tl.constexpr,      # walk positions per part (a multiple of SAMPLE_BLOCK)
-    STAGE_B_BLOCK: tl.constexpr,  # entries per load of stage b (at most SAMPLE_BLOCK)
 ):
     pid = tl.program_id(0)
     row = pid // PARTS
@@ -764,7 +758,7 @@ def _row_stats_kernel(
                     sampling, seed, draw, position, vocab, vocab_offset, inv_t, threshold,
                     allowed_row, column_tokens_ptr, argmax_ptr, sample_ptr, entropy_ptr, lse_ptr,
                     has_nan_ptr, sample_key_ptr, SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED,
-                    HAS_COLUMN_TOKENS, HAS_SAMPLE_KEY, NOISE_FILTER, SAMPLE_BLOCK, STAGE_B_BLOCK)
+                    HAS_COLUMN_TOKENS, HAS_SAMPLE_KEY, NOISE_FILTER, SAMPLE_BLOCK, BLOCK)
     else:
         # File this part's row state; the part that arrives last merges all of them.
         slot_ptr = partials_ptr + pid.to(tl.int64) * PARTIAL_WORDS
@@ -783,7 +777,7 @@ def _row_stats_kernel(
                         threshold, allowed_row, column_tokens_ptr, argmax_ptr, sample_ptr,
                         entropy_ptr, lse_ptr, has_nan_ptr, sample_key_ptr, SOFTCAP,
                         HAS_THRESHOLD, HAS_ALLOWED, HAS_COLUMN_TOKENS, HAS_SAMPLE_KEY,
-                        NOISE_FILTER, SAMPLE_BLOCK, STAGE_B_BLOCK)
+                        NOISE_FILTER, SAMPLE_BLOCK, BLOCK)
 
 
 def _check_rows(logits, row_request, row_position, temperature, seeds, draws, top_k, top_p,
@@ -841,7 +835,7 @@ def default_config(logits: torch.Tensor, softcap: float | None = None) -> dict:
     # (tests/test_row_stats_kernel.py::test_walk_shape_changes_no_bit).
     fp32 = logits.element_size() == 4
     return dict(block=256, num_warps=1, group=4, prefetch=1, num_stages=1, maxnreg=None,
-                fast_exp2=True, key_buffer=64, tma=True, stage_b_block=512,
+                fast_exp2=True, key_buffer=64, tma=True,
                 part_blocks=32 if fp32 or softcap else None,
                 tma_stages=3 if fp32 else 4)
 
@@ -874,15 +868,6 @@ def walk_shape(cfg: dict, block: int, sample_block: int) -> tuple[int, int]:
     if ahead not in (0, 1, 2):
         raise ValueError(f"row_stats config: prefetch must be 0, 1 or 2 groups, got {cfg['prefetch']!r}")
     return group, ahead * group
-
-
-def stage_b_block(cfg: dict, sample_block: int) -> int:
-    """Entries per load of stage b: the config's ``stage_b_block`` (a power of two >= 16),
-    at most one sampling block. It changes no bit, only how many loads the tail waits on."""
-    width = cfg.get("stage_b_block", 1024)
-    if isinstance(width, bool) or not isinstance(width, int) or width < 16 or width & (width - 1):
-        raise ValueError(f"row_stats config: stage_b_block must be a power of two >= 16, got {width!r}")
-    return min(width, sample_block)
 
 
 def vocabulary_parts(cfg: dict, n_walk: int, sample_block: int) -> tuple[int, int]:
@@ -1015,7 +1000,6 @@ def row_stats_rows(
         TMA_STAGES=int(cfg["tma_stages"]),
         PARTS=parts,
         PART_LEN=part_len,
-        STAGE_B_BLOCK=stage_b_block(cfg, sample_block),
         num_warps=cfg["num_warps"],
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
     )

@@ -415,9 +415,8 @@ def test_blocking_and_noise_filter_do_not_change_results(interpret):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_walk_shape_changes_no_bit(interpret, dtype):
     """The group size (blocks per max check), the register prefetch (0-2 groups ahead, the
-    walk unrolled to match), the key buffer (sampling-block keys drawn 1 to 16 at a time) and
-    the width of stage b's loads only regroup branches and reorder loads and draws: every
-    output is
+    walk unrolled to match) and the key buffer (sampling-block keys drawn 1 to 16 at a time)
+    only regroup branches and reorder loads and draws: every output is
     bit-identical, including rows whose length is not a multiple of the unrolled step, an
     unaligned vocabulary slice, NaN / +inf, a greedy row and several sampling blocks."""
     gen = torch.Generator().manual_seed(27)
@@ -433,11 +432,10 @@ def test_walk_shape_changes_no_bit(interpret, dtype):
     args = _on(interpret, logits.to(dtype), row_request, row_position, temperature, seeds, draws)
     key = torch.empty(n_rows, device=args[0].device)
     outs = []
-    for group, ahead, keys, stage_b in ((1, 0, 64, 64), (1, 1, 1, 16), (1, 2, 64, 1024),
-                                        (2, 0, 2, 32), (2, 2, 64, 128), (4, 1, 4, 256),
-                                        (4, 2, 64, 64)):
+    for group, ahead, keys in ((1, 0, 64), (1, 1, 1), (1, 2, 64), (2, 0, 2), (2, 2, 64),
+                               (4, 1, 4), (4, 2, 64)):
         cfg = dict(block=64, num_warps=1, group=group, prefetch=ahead, num_stages=1,
-                   key_buffer=keys, stage_b_block=stage_b)
+                   key_buffer=keys)
         stats = rs.row_stats_rows(*args, config=cfg, vocab_offset=100, sample_block=256,
                                   sample_key=key)
         outs.append((stats, key.clone()))
@@ -618,13 +616,6 @@ def test_default_split_follows_dtype_and_softcap_only():
                                        (torch.bfloat16, 30.0, 32), (torch.float16, 0.5, 32)):
             cfg = rs.default_config(torch.empty(rows, 8, dtype=dtype), softcap)
             assert cfg["part_blocks"] == blocks, (rows, dtype, softcap)
-
-
-@pytest.mark.parametrize("width", [0, 8, 100, 256.0, True])
-def test_stage_b_block_config_rejects(width):
-    with pytest.raises(ValueError, match="stage_b_block"):
-        rs.stage_b_block(dict(stage_b_block=width), 4096)
-    assert rs.stage_b_block(dict(stage_b_block=8192), 4096) == 4096  # at most a sampling block
 
 
 @pytest.mark.parametrize("blocks", [-1, 2.0, "2", True])
