@@ -74,12 +74,15 @@ def assemble(ptxas: str, ptx: str, cubin: str):
     return report, lines
 
 
-def atomic_predicates(ptx: str) -> tuple[int, set[str]]:
-    """(number of global atomics, the predicates they are issued under) in a kernel's PTX."""
+def atomic_predicates(ptx: str) -> tuple[int, set[str], int]:
+    """(number of global atomics, the predicates they are issued under, how many of them are
+    acq_rel adds) in a kernel's PTX."""
     import re
 
-    found = re.findall(r"^\s*(@%p\d+)?\s*atom\.global", ptx, flags=re.M)
-    return len(found), set(found)
+    found = re.findall(r"^\s*(@%p\d+)?\s*atom\.global((?:\.\w+)*)", ptx, flags=re.M)
+    acq_rel_adds = sum(".acq_rel." in qualifiers and ".add." in qualifiers
+                       for _, qualifiers in found)
+    return len(found), {predicate for predicate, _ in found}, acq_rel_adds
 
 
 def recording_compiles() -> list:
@@ -102,8 +105,6 @@ def compile_row_stats(args, ptxas: str) -> bool:
     """Compile ``row_stats_rows``'s kernel as an H200 would run it (the descriptor walk forced
     on: its test needs a CUDA tensor) for each dtype, unsplit and split; report registers and
     spills, and check the split kernel's atomic. Returns whether all is well."""
-    import re
-
     import torch
 
     from dgemma_sampler.kernels import row_stats as rs
@@ -123,8 +124,7 @@ def compile_row_stats(args, ptxas: str) -> bool:
             name = f"{str(dtype).replace('torch.', '')}_{'split' if blocks else 'whole'}"
             with tempfile.TemporaryDirectory() as tmp:
                 report, lines = assemble(ptxas, kernel.asm["ptx"], os.path.join(tmp, "k.cubin"))
-            n_atomics, predicates = atomic_predicates(kernel.asm["ptx"])
-            acq_rel = len(re.findall(r"atom\.global\.(?:gpu\.)?acq_rel\.(?:gpu\.)?add", kernel.asm["ptx"]))
+            n_atomics, predicates, acq_rel = atomic_predicates(kernel.asm["ptx"])
             atomics_ok = (n_atomics == acq_rel == 1 and "" not in predicates
                           if blocks else n_atomics == 0)
             print(f"{name:20s} shared {kernel.metadata.shared} B | " + " | ".join(lines)
