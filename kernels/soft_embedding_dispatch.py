@@ -237,8 +237,9 @@ def _launch_wgmma(module, logits, row_request, inv_t, lse, embed_weight, norm_te
     softcap): the operand is first written over the kept rows, then multiplied as it is."""
     n_rows = logits.shape[0]
     v_local, hidden = embed_weight.shape
-    cfg = TileConfig(module.BLOCK_M, module.BLOCK_N, module.BLOCK_K, module.NUM_WARPS,
-                     module.stages_for(logits.dtype, embed_weight.dtype))
+    tile = module.tile_shape(operand is not None, n_rows)
+    cfg = TileConfig(tile[0], tile[1], module.BLOCK_K, module.NUM_WARPS,
+                     module.stages_for(logits.dtype, embed_weight.dtype, tile=tile))
     plan = _plan(n_rows, planned_rows, keep, hidden, v_local, cfg, sms, logits.device,
                  MIN_K_BLOCKS_PER_PIECE)
     placeholder = inv_t
@@ -255,7 +256,7 @@ def _launch_wgmma(module, logits, row_request, inv_t, lse, embed_weight, norm_te
     module.launch(logits, row_request, inv_t, lse, embed_weight, norm_tensor, norm_value, out,
                   row_order=row_order, kept_count=kept_count, threshold=threshold,
                   out_index=out_index, vocab_start=vocab_start, plan=plan, scratch=scratch,
-                  placeholder=placeholder, p_given=operand is not None)
+                  placeholder=placeholder, tile=tile, p_given=operand is not None)
     merge_split(plan, cfg, out, out_index, scratch, row_order, kept_count, norm_tensor,
                  norm_value, n_rows, hidden, placeholder)
 

@@ -90,14 +90,24 @@ _copy_rows = (async_copy.async_load if hasattr(async_copy, "async_load")
               else async_copy.async_copy_global_to_shared)
 
 LOG2E = gl.constexpr(1.4426950408889634)
-BLOCK_M, BLOCK_N, BLOCK_K = 128, 256, 64
+BLOCK_K = 64
+# Output tiles (rows x hidden columns). Each consumer warpgroup owns half the rows, an
+# accumulator of 128 fp32 registers per thread either way. WIDE reads each E tile once per
+# 128 rows and each logits tile once per 256 columns; TALL reads E once per 256 rows, which is
+# what matters where the rows are few: at one canvas (256 rows) the GEMM streams all of E
+# (1.5 GB) against 0.13 GB of operand, in one wave, and with WIDE tiles the E tile of each
+# (N-tile, vocabulary piece) is wanted by two programs that must meet in the L2 to read it
+# from HBM once. TALL only multiplies a given operand: a prologue would make twice as many
+# probabilities per wgmma flop.
+WIDE, TALL = (128, 256), (256, 128)
+TALL_MAX_ROWS = 256
 NUM_WARPS = 8  # 2 consumer warpgroups (+ the loader, in a warpgroup of its own)
 # Registers per thread of the consumer warpgroups and of the loader's warpgroup (setmaxnreg;
 # 2 x 128 x 232 + 128 x 40 <= 64K).
 CONSUMER_REGS, LOADER_REGS = 232, 40
 # With a row order the loader warpgroup holds its rows' offsets across the K loop: more
-# registers there, fewer for the consumers (neither spills).
-GATHER_CONSUMER_REGS, GATHER_LOADER_REGS = 216, 72
+# registers there (a TALL tile's 256 rows need 80), fewer for the consumers (neither spills).
+GATHER_CONSUMER_REGS, GATHER_LOADER_REGS = 216, 80
 # The loader of a tile whose rows a row order lists: a warpgroup (the TMA warp's warpgroup holds
 # its registers anyway).
 GATHER_WARPS = 4
@@ -559,11 +569,20 @@ def p_in_registers(logits_dtype: torch.dtype) -> bool:
     return logits_dtype != torch.float32
 
 
-def stages_for(logits_dtype: torch.dtype, embed_dtype: torch.dtype, smem_bytes: int = 227 * 1024) -> int:
+def tile_shape(p_given: bool, n_rows: int) -> tuple[int, int]:
+    """The output tile of a call: TALL for a given operand of at most ``TALL_MAX_ROWS`` rows
+    (one canvas: every program then reads its E slice alone), else WIDE."""
+    return TALL if p_given and n_rows <= TALL_MAX_ROWS else WIDE
+
+
+def stages_for(logits_dtype: torch.dtype, embed_dtype: torch.dtype, smem_bytes: int = 227 * 1024,
+               tile: tuple[int, int] = WIDE) -> int:
     """Pipeline stages that fit in shared memory beside the p buffers (3 for fp32 logits,
-    4 for 16-bit)."""
-    per_stage = BLOCK_M * BLOCK_K * logits_dtype.itemsize + BLOCK_K * BLOCK_N * embed_dtype.itemsize
-    p_bytes = 2 * BLOCK_M * BLOCK_K * embed_dtype.itemsize
+    4 for 16-bit; the two tiles' stages hold as many bytes)."""
+    block_m, block_n = tile
+    per_stage = block_m * BLOCK_K * logits_dtype.itemsize + BLOCK_K * block_n * embed_dtype.itemsize
+    # (the compiler drops the p buffers of a kernel whose operand goes through registers)
+    p_bytes = 0 if p_in_registers(logits_dtype) else 2 * block_m * BLOCK_K * embed_dtype.itemsize
     return max(2, min(4, (smem_bytes - p_bytes - 1024) // per_stage))
 
 
@@ -591,18 +610,21 @@ def tile_descriptors(logits, embed_weight, vocab_start: int, x_box: tuple, e_box
 
 def launch(logits, row_request, inv_t, lse, embed_weight, norm_tensor, norm_value, out, *,
            row_order, kept_count, threshold, out_index, vocab_start, plan, scratch, placeholder,
-           p_given: bool = False):
+           tile: tuple[int, int], p_given: bool = False):
     """Launch for one call of ``soft_embedding.soft_embedding_rows`` (inputs checked there) on
     ``plan`` (``soft_embedding.plan_split``, or ``plans_by_count`` where the kept count stays on
     the device); ``row_order`` (int64, the kept rows first and in increasing order, as
     ``soft_embedding._kept_first`` makes it: the loader's test for consecutive rows relies on
     it) with ``kept_count`` ([1] int32 on the device), or both None for every row in order;
-    ``placeholder`` stands in for absent tensors. ``p_given``: the kept rows of ``logits`` hold
-    the operand already (``soft_embedding_operand``): no prologue, no threshold."""
+    ``placeholder`` stands in for absent tensors. ``tile``: the output tile ``plan`` was made
+    for (``tile_shape``). ``p_given``: the kept rows of ``logits`` hold the operand already
+    (``soft_embedding_operand``): no prologue, no threshold."""
     assert (row_order is None) == (kept_count is None), "row_order and kept_count go together"
     assert not p_given or (logits.dtype == embed_weight.dtype and threshold is None), \
         "a given operand has E's dtype and its masks applied"
-    descs = tile_descriptors(logits, embed_weight, vocab_start, (BLOCK_M, BLOCK_K), (BLOCK_K, BLOCK_N))
+    block_m, block_n = tile
+    assert (block_m, block_n) == WIDE or p_given, "TALL multiplies a given operand"
+    descs = tile_descriptors(logits, embed_weight, vocab_start, (block_m, BLOCK_K), (BLOCK_K, block_n))
     v_local = embed_weight.shape[0]
     return soft_embedding_wgmma_kernel[(plan.programs,)](
         *descs, local_columns(logits, vocab_start, v_local), logits.stride(0),
@@ -617,7 +639,8 @@ def launch(logits, row_request, inv_t, lse, embed_weight, norm_tensor, norm_valu
         plan.n_tiles_n, plan.dp_head, plan.tail_tiles, plan.split,
         HAS_THRESHOLD=threshold is not None, HAS_ROW_ORDER=row_order is not None,
         HAS_OUT_INDEX=out_index is not None, NORM_IS_TENSOR=norm_tensor is not None,
-        STAGES=stages_for(logits.dtype, embed_weight.dtype), SCRATCH_N=BLOCK_N,
+        STAGES=stages_for(logits.dtype, embed_weight.dtype, tile=(block_m, block_n)),
+        SCRATCH_N=block_n,
         VEC=16 // logits.element_size(), P_SWIZZLE=_p_swizzle(logits.element_size()),
         P_IN_REGISTERS=p_in_registers(logits.dtype), P_GIVEN=p_given, GROUP=GROUP_M,
         CONSUMER_REGS=GATHER_CONSUMER_REGS if row_order is not None else CONSUMER_REGS,

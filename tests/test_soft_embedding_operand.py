@@ -128,3 +128,38 @@ def test_given_operand_gemm_matches_the_fused_gemm_gpu(softcap):
         assert torch.equal(got, want)
     else:
         assert ((got - want).norm() / want.norm()).item() < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kept", ["all", "two_thirds"])
+def test_tall_tile_matches_the_wide_tile_gpu(monkeypatch, kept):
+    """One canvas of DiffusionGemma's shape (256 rows, bf16, softcap 30): the given operand
+    multiplied on the TALL tile (``soft_embedding_wgmma.tile_shape``) agrees with the WIDE
+    tile (the same K pieces summed in another tile: within fp32 rounding), writes zeros on rows
+    not kept, and repeats bit for bit."""
+    from dgemma_sampler.kernels import soft_embedding_dispatch as se
+    from dgemma_sampler.kernels import soft_embedding_wgmma as wg
+    from dgemma_sampler.kernels.row_stats import row_stats_rows
+
+    n, vocab, hidden = 256, 262144, 2816
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = (torch.randn(n, vocab, generator=g, device="cuda") * 3).to(torch.bfloat16)
+    e = (torch.randn(vocab, hidden, generator=g, device="cuda") / 8).to(torch.bfloat16)
+    request = torch.zeros(n, device="cuda", dtype=torch.int32)
+    temperature, seeds = torch.tensor([0.7], device="cuda"), torch.tensor([1], device="cuda")
+    stats = row_stats_rows(x, request, torch.arange(n, device="cuda"), temperature, seeds, seeds,
+                           softcap=SOFTCAP)
+    keep = torch.ones(n, dtype=torch.bool, device="cuda")
+    if kept == "two_thirds":
+        keep = torch.rand(n, generator=g, device="cuda") < 0.66
+
+    def run(tall_rows):
+        monkeypatch.setattr(wg, "TALL_MAX_ROWS", tall_rows)
+        assert wg.tile_shape(True, n) == (wg.TALL if tall_rows else wg.WIDE)
+        return se.soft_embedding_rows(x.clone(), request, temperature, stats.lse, e, 2.0,
+                                      keep=keep, softcap=SOFTCAP, logits_scratch=True)
+
+    tall, wide = run(256), run(0)
+    assert (tall[~keep] == 0).all() and not tall.isnan().any()
+    assert ((tall - wide).norm() / wide.norm()).item() < 1e-5
+    assert torch.equal(run(256), tall)

@@ -295,25 +295,28 @@ def main() -> None:
         embed = torch.empty(v, h, dtype=torch.bfloat16)
         row_request = torch.zeros(n, dtype=torch.int32)
         inv_t, lse, out = torch.ones(1), torch.zeros(n), torch.empty(n, h)
-        cfg = se.TileConfig(wg.BLOCK_M, wg.BLOCK_N, wg.BLOCK_K, wg.NUM_WARPS,
-                            wg.stages_for(dtype, embed.dtype))
-        plan = se.plan_split(n, n, h, v, cfg, 132)
         # rows by a row order, scheduled by the kept count on the device (as with ``keep``)
         order, count = torch.arange(n), torch.full((1,), n, dtype=torch.int32)
-        by_count = se.plans_by_count(n, h, v, cfg, 132, torch.device("cpu"))
         # (and once planned on the host, as with ``num_kept``)
         variants = [(None, False, False, False), (lse, False, False, False),
                     (None, True, True, False), (None, True, False, False)]
         if dtype == embed.dtype:  # the operand written over the logits (soft_embedding_operand)
             variants.append((None, True, True, True))
-        for threshold, gather, on_device, given in variants:
+            # and on the tall tile of a call of one canvas, rows by a row order or in order
+            variants += [(None, True, True, True, wg.TALL), (None, False, False, True, wg.TALL)]
+        for threshold, gather, on_device, given, *tile in variants:
+            tile = tile[0] if tile else wg.WIDE
+            cfg = se.TileConfig(*tile, wg.BLOCK_K, wg.NUM_WARPS,
+                                wg.stages_for(dtype, embed.dtype, tile=tile))
+            plan = (se.plans_by_count(n, h, v, cfg, 132, torch.device("cpu")) if on_device
+                    else se.plan_split(n, n, h, v, cfg, 132))
             kernel = wg.launch(logits, row_request, inv_t, lse, embed, None, 1.0, out,
                                row_order=order if gather else None,
                                kept_count=count if gather else None, threshold=threshold,
-                               out_index=None, vocab_start=0,
-                               plan=by_count if on_device else plan, scratch=inv_t,
-                               placeholder=inv_t, p_given=given)
-            name = (str(dtype).replace('torch.', '') + ("_threshold" if threshold is not None else "")
+                               out_index=None, vocab_start=0, plan=plan, scratch=inv_t,
+                               placeholder=inv_t, tile=tile, p_given=given)
+            name = (str(dtype).replace('torch.', '') + ("_tall" if tile == wg.TALL else "")
+                    + ("_threshold" if threshold is not None else "")
                     + ("_row_order" if gather else "") + ("_host_plan" if gather and not on_device
                                                           else "") + ("_p_given" if given else ""))
             with tempfile.TemporaryDirectory() as tmp:
