@@ -31,9 +31,10 @@ one-request step. Here one program per request does it all in one launch:
 
 * ranks by comparison (``W x W`` compares in chunks, ~65k at W = 256), no sort;
 * the ranked entropies are scattered to a scratch row, read back in rank order by a scalar
-  loop (the only sequential part: W dependent fp64 adds), and the verdicts gathered back by
-  rank; the program's threads meet at a barrier between (global writes of one CTA are visible
-  to its threads after ``bar.sync``);
+  loop (the only sequential part: W dependent fp64 adds; its loads run ahead, unrolled, and
+  its verdicts stay in registers until it ends), and the verdicts gathered back by rank
+  through a second scratch row; the program's threads meet at a barrier after each scatter
+  (global writes of one CTA are visible to its threads after ``bar.sync``);
 * the ring is read and written as a ``[RING, W]`` tile.
 
 Traffic: per request ~W x (3 statistics + canvas + arg-max canvas + RING ring rows + outputs)
@@ -48,8 +49,10 @@ import triton.language as tl
 
 from .random_tokens import _canvas_tokens
 
-# Elements of one rank-comparison tile ([BLOCK_W, CHUNK]), 32 per thread at 4 warps.
+# Elements of one rank-comparison tile ([BLOCK_W, CHUNK]), 16 per thread at 8 warps.
 RANK_TILE = 4096
+NUM_WARPS = 8
+SCAN_UNROLL = 8  # ranked entropies loaded ahead of the scan's sequential adds
 
 
 @triton.jit
@@ -79,7 +82,7 @@ def _canvas_update_kernel(
     W, CL, confidence_threshold, entropy_bound,
     RING: tl.constexpr, RING_P2: tl.constexpr, PINS: tl.constexpr,
     RENOISE_STREAM: tl.constexpr, CANVAS_STREAM: tl.constexpr, VOCAB: tl.constexpr,
-    BLOCK_W: tl.constexpr, CHUNK: tl.constexpr,
+    BLOCK_W: tl.constexpr, CHUNK: tl.constexpr, SCAN_UNROLL: tl.constexpr,
 ):
     j = tl.program_id(0)
     slot = tl.load(slots_ptr + j).to(tl.int64)
@@ -111,12 +114,17 @@ def _canvas_update_kernel(
     scratch = j.to(tl.int64) * BLOCK_W
     tl.store(ranked_ptr + scratch + rank, key, mask=live)
     tl.debug_barrier()
+    # The scan stores nothing (its verdicts collect in registers, by rank), so the unrolled
+    # loop's loads do not wait behind stores that might alias them: only the fp64 adds are
+    # sequential.
     total = tl.zeros((), tl.float64)
-    for r in range(0, W):
+    by_rank = tl.zeros([BLOCK_W], tl.int1)
+    for r in tl.range(0, W, loop_unroll_factor=SCAN_UNROLL):
         e_r = tl.load(ranked_ptr + scratch + r)
         total += e_r.to(tl.float64)
         before = tl.where(r == 0, 0.0, total.to(tl.float32) - e_r)
-        tl.store(verdict_ptr + scratch + r, (before <= entropy_bound).to(tl.int8))
+        by_rank = tl.where(pos == r, before <= entropy_bound, by_rank)
+    tl.store(verdict_ptr + scratch + pos, by_rank.to(tl.int8), mask=live)
     tl.debug_barrier()
     accepted = tl.load(verdict_ptr + scratch + rank, mask=live, other=0) != 0
 
@@ -252,6 +260,7 @@ def canvas_update(
         W, CL, float(confidence_threshold), float(entropy_bound),
         RING=ring, RING_P2=triton.next_power_of_2(ring), PINS=bool(pins),
         RENOISE_STREAM=int(streams[0]), CANVAS_STREAM=int(streams[1]), VOCAB=int(vocab_size),
-        BLOCK_W=block_w, CHUNK=max(1, min(block_w, RANK_TILE // block_w)), num_warps=4,
+        BLOCK_W=block_w, CHUNK=max(1, min(block_w, RANK_TILE // block_w)),
+        SCAN_UNROLL=SCAN_UNROLL, num_warps=NUM_WARPS,
     )
     return sampled, num_sampled, converged, keep
