@@ -10,8 +10,9 @@ A operand; with the pointer loads' address arithmetic that is ~380 instructions 
 and K step for ~160 of arithmetic. Gluon lets the kernel name its layouts, its
 shared-memory traffic and which warps do what.
 
-Warp specialization. A 128 x 256 output tile is computed by two consumer warpgroups of 4
-warps, each owning 64 rows (its own accumulator, 128 fp32 registers per thread), and a loader:
+Warp specialization. An output tile (128 x 256, or 256 x 128 for a given operand of one
+canvas: ``tile_shape``) is computed by two consumer warpgroups of 4 warps, each owning half
+its rows (its own accumulator, 128 fp32 registers per thread), and a loader:
 one TMA warp, or with a row order (below) a warpgroup. The loader fills ``STAGES``
 shared-memory stages of (logits tile, E tile); each
 consumer waits for a stage, makes ``p`` for its rows, issues its wgmma asynchronously and
@@ -386,8 +387,8 @@ def _consumer(WG: gl.constexpr, descs, smem, tile, row_args, out_args,
               HAS_THRESHOLD: gl.constexpr, HAS_ROW_ORDER: gl.constexpr, HAS_OUT_INDEX: gl.constexpr,
               NORM_IS_TENSOR: gl.constexpr, SCRATCH_N: gl.constexpr, VEC: gl.constexpr,
               P_IN_REGISTERS: gl.constexpr, P_GIVEN: gl.constexpr):
-    """Consumer warpgroup ``WG`` (4 warps): rows ``[64 WG, 64 WG + 64)`` of the tile, its K
-    loop, then its part of the epilogue."""
+    """Consumer warpgroup ``WG`` (4 warps): rows ``[WM WG, WM WG + WM)`` of the tile (``WM``,
+    half its rows), its K loop, then its part of the epilogue."""
     x_desc, e_desc = descs
     row0, col0, kb_begin, n_k, piece, pieces, tail_idx, tail_tiles = tile
     hidden, stride_out, norm_ptr, norm_value, out_ptr, out_index_ptr, scratch_ptr = out_args
