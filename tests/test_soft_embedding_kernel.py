@@ -757,6 +757,18 @@ def test_gpu_wgmma_row_order_gathers_rows(requests, logits_dtype):
         check_gpu(case, got, keep=keep)
 
 
+def test_tall_tile_only_for_a_given_operand_of_one_canvas():
+    """``soft_embedding_wgmma.tile_shape``: 256 x 128 for a given operand of at most one canvas,
+    else 128 x 256; both tiles' pipelines hold 4 stages of 16-bit tiles (3 for fp32 logits,
+    beside the p buffers, on the wide tile only)."""
+    wg = pytest.importorskip("dgemma_sampler.kernels.soft_embedding_wgmma")
+    assert wg.tile_shape(True, 1) == wg.tile_shape(True, 256) == wg.TALL == (256, 128)
+    assert wg.tile_shape(True, 257) == wg.tile_shape(False, 256) == wg.WIDE == (128, 256)
+    bf16 = torch.bfloat16
+    assert wg.stages_for(bf16, bf16, tile=wg.TALL) == wg.stages_for(bf16, bf16) == 4
+    assert wg.stages_for(torch.float32, bf16) == 3
+
+
 def test_gluon_kernel_compiles_for_sm90_without_spills():
     """The Hopper kernel compiles for sm_90 with the Triton installed here (in CI the latest
     release; the device runs 3.6), each fp32 / bf16 specialization (rows in order or by a row
