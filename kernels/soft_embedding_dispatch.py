@@ -228,6 +228,14 @@ def _wgmma_module():
 _WGMMA: ModuleType | None | bool = False  # False: not looked up yet
 
 
+def wgmma_config(module, tile: tuple[int, int], logits_dtype: torch.dtype,
+                 embed_dtype: torch.dtype) -> TileConfig:
+    """The Gluon kernel's ``TileConfig`` on output tile ``tile`` (``soft_embedding_wgmma``'s
+    ``WIDE`` or ``TALL``): what its schedule and split-K merge are planned with."""
+    return TileConfig(tile[0], tile[1], module.BLOCK_K, module.NUM_WARPS,
+                      module.stages_for(logits_dtype, embed_dtype, tile=tile))
+
+
 def _launch_wgmma(module, logits, row_request, inv_t, lse, embed_weight, norm_tensor, norm_value,
                   out, keep, threshold, out_index, vocab_start, sms, planned_rows, *,
                   operand: dict | None = None):
@@ -238,8 +246,7 @@ def _launch_wgmma(module, logits, row_request, inv_t, lse, embed_weight, norm_te
     n_rows = logits.shape[0]
     v_local, hidden = embed_weight.shape
     tile = module.tile_shape(operand is not None, n_rows)
-    cfg = TileConfig(tile[0], tile[1], module.BLOCK_K, module.NUM_WARPS,
-                     module.stages_for(logits.dtype, embed_weight.dtype, tile=tile))
+    cfg = wgmma_config(module, tile, logits.dtype, embed_weight.dtype)
     plan = _plan(n_rows, planned_rows, keep, hidden, v_local, cfg, sms, logits.device,
                  MIN_K_BLOCKS_PER_PIECE)
     placeholder = inv_t

@@ -298,16 +298,14 @@ def main() -> None:
         # rows by a row order, scheduled by the kept count on the device (as with ``keep``)
         order, count = torch.arange(n), torch.full((1,), n, dtype=torch.int32)
         # (and once planned on the host, as with ``num_kept``)
-        variants = [(None, False, False, False), (lse, False, False, False),
-                    (None, True, True, False), (None, True, False, False)]
+        variants = [(None, False, False, False, wg.WIDE), (lse, False, False, False, wg.WIDE),
+                    (None, True, True, False, wg.WIDE), (None, True, False, False, wg.WIDE)]
         if dtype == embed.dtype:  # the operand written over the logits (soft_embedding_operand)
-            variants.append((None, True, True, True))
+            variants.append((None, True, True, True, wg.WIDE))
             # and on the tall tile of a call of one canvas, rows by a row order or in order
             variants += [(None, True, True, True, wg.TALL), (None, False, False, True, wg.TALL)]
-        for threshold, gather, on_device, given, *tile in variants:
-            tile = tile[0] if tile else wg.WIDE
-            cfg = se.TileConfig(*tile, wg.BLOCK_K, wg.NUM_WARPS,
-                                wg.stages_for(dtype, embed.dtype, tile=tile))
+        for threshold, gather, on_device, given, tile in variants:
+            cfg = se.wgmma_config(wg, tile, dtype, embed.dtype)
             plan = (se.plans_by_count(n, h, v, cfg, 132, torch.device("cpu")) if on_device
                     else se.plan_split(n, n, h, v, cfg, 132))
             kernel = wg.launch(logits, row_request, inv_t, lse, embed, None, 1.0, out,
