@@ -132,20 +132,21 @@ EXP_FAST_LIMIT = tl.constexpr(2048.0)
 @triton.jit
 def _block_z(x, offs, start, vocab, inv_t, threshold, allowed_row,
              SOFTCAP: tl.constexpr, HAS_THRESHOLD: tl.constexpr, HAS_ALLOWED: tl.constexpr,
-             CLEAN: tl.constexpr, BELOW: tl.constexpr = False):
+             CLEAN: tl.constexpr, BELOW: tl.constexpr = False, WHOLE: tl.constexpr = False):
     """``z`` of one vocabulary block of fp32 logits ``x`` (padding past the row end is -inf).
 
     ``CLEAN``: the reference semantics (NaN masked, +inf clamped to FLT_MAX). Otherwise NaN
     and +inf pass through unmasked so that the block's sum turns NaN and the caller re-reads
     it cleanly; masks are written ``~(x < t)`` so that they keep a NaN. ``BELOW``: every
-    ``|x|`` is below the softcap (``logit_row.softcapped``).
+    ``|x|`` is below the softcap (``logit_row.softcapped``). ``WHOLE``: the block lies inside
+    the row (the descriptor walk's groups), so no padding needs masking.
     """
     x = softcapped(x, SOFTCAP, BELOW)
     keep = tl.full(x.shape, 1, tl.int1)
     inside = (offs >= -start) & (offs < vocab - start)  # start < 0 before an unaligned slice
     if HAS_THRESHOLD:
         keep = ~(x < threshold)
-    if SOFTCAP > 0:
+    if SOFTCAP > 0 and not WHOLE:
         # the padding outside the row is -inf, which the softcap turns into -c
         keep = keep & inside
     if HAS_ALLOWED:
@@ -158,7 +159,7 @@ def _block_z(x, offs, start, vocab, inv_t, threshold, allowed_row,
         z = tl.where(keep & (x == x), scaled(x, inv_t), NEG_INF)
     else:
         z = x * inv_t
-        if HAS_THRESHOLD or HAS_ALLOWED or SOFTCAP > 0:
+        if HAS_THRESHOLD or HAS_ALLOWED or (SOFTCAP > 0 and not WHOLE):
             z = tl.where(keep, z, NEG_INF)
     return z
 
@@ -363,28 +364,28 @@ def _desc_group(logits_desc, row, walk, G: tl.constexpr, BLOCK: tl.constexpr):
 @triton.jit
 def _group_z_of(xg0, xg1, xg2, xg3, offs, start, vocab, inv_t, threshold, allowed_row,
              SOFTCAP: tl.constexpr, HAS_THRESHOLD: tl.constexpr, HAS_ALLOWED: tl.constexpr,
-             G: tl.constexpr, BLOCK: tl.constexpr, BELOW: tl.constexpr):
+             G: tl.constexpr, BLOCK: tl.constexpr, BELOW: tl.constexpr, WHOLE: tl.constexpr):
     """``_block_z`` of the ``G`` blocks of a group starting at column ``start``."""
     zg0 = _block_z(xg0.to(tl.float32), offs, start, vocab, inv_t, threshold, allowed_row,
-                   SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, False, BELOW)
+                   SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, False, BELOW, WHOLE)
     zg1 = zg0
     zg2 = zg0
     zg3 = zg0
     if G > 1:
         zg1 = _block_z(xg1.to(tl.float32), offs, start + BLOCK, vocab, inv_t, threshold,
-                       allowed_row, SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, False, BELOW)
+                       allowed_row, SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, False, BELOW, WHOLE)
     if G > 2:
         zg2 = _block_z(xg2.to(tl.float32), offs, start + 2 * BLOCK, vocab, inv_t, threshold,
-                       allowed_row, SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, False, BELOW)
+                       allowed_row, SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, False, BELOW, WHOLE)
         zg3 = _block_z(xg3.to(tl.float32), offs, start + 3 * BLOCK, vocab, inv_t, threshold,
-                       allowed_row, SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, False, BELOW)
+                       allowed_row, SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, False, BELOW, WHOLE)
     return zg0, zg1, zg2, zg3
 
 
 @triton.jit
 def _group_z(xg0, xg1, xg2, xg3, offs, start, vocab, inv_t, threshold, allowed_row,
              SOFTCAP: tl.constexpr, HAS_THRESHOLD: tl.constexpr, HAS_ALLOWED: tl.constexpr,
-             G: tl.constexpr, BLOCK: tl.constexpr):
+             G: tl.constexpr, BLOCK: tl.constexpr, WHOLE: tl.constexpr):
     """``_block_z`` of the ``G`` blocks of a group starting at column ``start``. With a
     softcap over 16-bit logits (the hidden-state path), a group whose every ``|x|`` is below
     it (all but a few groups of a row) takes the softcap's polynomial alone: the same bits
@@ -411,15 +412,15 @@ def _group_z(xg0, xg1, xg2, xg3, offs, start, vocab, inv_t, threshold, allowed_r
         if below_softcap(tl.max(top, 0), SOFTCAP):
             zg0, zg1, zg2, zg3 = _group_z_of(xg0, xg1, xg2, xg3, offs, start, vocab, inv_t,
                                              threshold, allowed_row, SOFTCAP, HAS_THRESHOLD,
-                                             HAS_ALLOWED, G, BLOCK, True)
+                                             HAS_ALLOWED, G, BLOCK, True, WHOLE)
         else:
             zg0, zg1, zg2, zg3 = _group_z_of(xg0, xg1, xg2, xg3, offs, start, vocab, inv_t,
                                              threshold, allowed_row, SOFTCAP, HAS_THRESHOLD,
-                                             HAS_ALLOWED, G, BLOCK, False)
+                                             HAS_ALLOWED, G, BLOCK, False, WHOLE)
     else:
         zg0, zg1, zg2, zg3 = _group_z_of(xg0, xg1, xg2, xg3, offs, start, vocab, inv_t,
                                          threshold, allowed_row, SOFTCAP, HAS_THRESHOLD,
-                                         HAS_ALLOWED, G, BLOCK, False)
+                                         HAS_ALLOWED, G, BLOCK, False, WHOLE)
     return zg0, zg1, zg2, zg3
 
 
@@ -430,7 +431,8 @@ def _walk_group(xg0, xg1, xg2, xg3, walk, offs, lead, n_walk, n_cols, row_ptr, a
                 big_m, holds, arg_b, rest, a_rest, r_acc, a_acc,
                 SOFTCAP: tl.constexpr, HAS_THRESHOLD: tl.constexpr, HAS_ALLOWED: tl.constexpr,
                 SAMPLE_BLOCK: tl.constexpr, BLOCK: tl.constexpr, G: tl.constexpr,
-                KEY_BUFFER: tl.constexpr, RAW_MAX: tl.constexpr, PLAIN_EXP2: tl.constexpr):
+                KEY_BUFFER: tl.constexpr, RAW_MAX: tl.constexpr, PLAIN_EXP2: tl.constexpr,
+                WHOLE: tl.constexpr = False):
     """One group of ``G`` vocabulary blocks of the walk: accumulate them; where the group
     ends a sampling block, merge that block into the row and let its key compete (stage a).
     Returns the updated state: the row's (m, arg, r_row, a_row, has_nan, best, best_start,
@@ -445,7 +447,7 @@ def _walk_group(xg0, xg1, xg2, xg3, walk, offs, lead, n_walk, n_cols, row_ptr, a
     """
     start = walk - lead  # column of the group's first entry
     zg0, zg1, zg2, zg3 = _group_z(xg0, xg1, xg2, xg3, offs, start, vocab, inv_t, threshold,
-                                  allowed_row, SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, G, BLOCK)
+                                  allowed_row, SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, G, BLOCK, WHOLE)
     group_max = NEG_INF
     if G > 1:
         if RAW_MAX:
@@ -722,7 +724,7 @@ def _walk_part(logits_desc, row_ptr, row, w_begin, n_walk, offs, lead, n_cols, a
                 m, arg, r_row, a_row, has_nan, best, best_start, key_m, key_r, key_h,
                 big_m, holds, arg_b, rest, a_rest, r_acc, a_acc,
                 SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, SAMPLE_BLOCK, BLOCK, GROUP, KEY_BUFFER,
-                RAW_MAX, PLAIN_EXP2)
+                RAW_MAX, PLAIN_EXP2, True)
     if PREFETCH > 0:
         a0, a1, a2, a3 = _load_group(row_ptr, walk0, offs, lead, n_walk, GROUP, BLOCK, ALIGNED)
     if PREFETCH > GROUP:
