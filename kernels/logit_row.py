@@ -92,12 +92,11 @@ def reciprocal(x, INTERPRET: tl.constexpr):
 INTERPRETING = tl.constexpr(interpreting())
 
 
-# c tanh(a) = a (c + a^2 q(a^2)) for 0 <= a < SOFTCAP_POLY_BELOW: q's coefficients at c = 1 (a
-# near-minimax fit of (tanh(a) / a - 1) / a^2, relative error below 5e-9 there), scaled by c
-# when a kernel is compiled. At c = 30 over every finite bf16 logit the result is within 2.5
-# ulp of float64 (torch's fp32 c * tanh(x / c): 1.7), the same bound as the exponential
-# formula's, and monotone.
-SOFTCAP_POLY_BELOW = tl.constexpr(1.0)
+# c tanh(x / c) = x (1 + s Q(s)) with s = x^2 / c^2, for |x| < c: Q's coefficients are a
+# near-minimax fit of (tanh(a) / a - 1) / a^2 on 0 <= a < 1 (relative error below 5e-9). x
+# enters exactly and carries its sign; only the correction s Q(s) (at most a third of the
+# result) sees the rounding of 1 / c^2. At c = 30 over every finite bf16 logit the result is
+# within 1.1 ulp of float64 (torch's fp32 c * tanh(x / c): 1.7), and monotone.
 Q0 = tl.constexpr(-0.3333329741984866)
 Q1 = tl.constexpr(0.13332380037181285)
 Q2 = tl.constexpr(-0.053881977411647484)
@@ -108,12 +107,11 @@ Q6 = tl.constexpr(-0.00036032866479095843)
 
 
 @triton.jit
-def _softcap_poly(a, SOFTCAP: tl.constexpr):
-    """``c tanh(a)`` for ``0 <= a < SOFTCAP_POLY_BELOW`` by the odd polynomial, c folded in."""
-    s = a * a
-    q = (Q0 * SOFTCAP) + s * ((Q1 * SOFTCAP) + s * ((Q2 * SOFTCAP) + s * ((Q3 * SOFTCAP) + s * (
-        (Q4 * SOFTCAP) + s * ((Q5 * SOFTCAP) + s * (Q6 * SOFTCAP))))))
-    return a * (s * q + SOFTCAP)
+def _softcap_poly(x, SOFTCAP: tl.constexpr):
+    """``c tanh(x / c)`` for ``|x| < c`` by the odd polynomial (FMAs only)."""
+    s = (x * x) * (1.0 / (SOFTCAP * SOFTCAP))
+    q = Q0 + s * (Q1 + s * (Q2 + s * (Q3 + s * (Q4 + s * (Q5 + s * Q6)))))
+    return x * (s * q + 1.0)
 
 
 @triton.jit
@@ -121,34 +119,34 @@ def softcapped(x, SOFTCAP: tl.constexpr, BELOW: tl.constexpr = False):
     """``c * tanh(x / c)`` in fp32 when ``SOFTCAP`` (a constexpr float) is > 0, else ``x``;
     within a few ulp of torch's, without libdevice (the interpreter has none).
 
-    With ``a = |x| / c`` (a multiply by the fp32 reciprocal of ``c``: at most an ulp from the
-    quotient, where a rounded division costs a dozen instructions): below
-    ``SOFTCAP_POLY_BELOW`` an odd polynomial (FMAs only), above it ``c - 2c / (e^(2a) + 1)``
-    (two MUFU ops, ``exp2`` and ``rcp``). Both are computed and one selected (a branch would
-    diverge within a warp), then ``x``'s sign is copied in. ``BELOW``: the caller knows that
-    every ``|x| < c`` (the same ``a < 1`` test), so only the polynomial is computed: the same
-    bits, about half the instructions and no MUFU op. Every kernel's softcap is this code, so
-    that they all see the same fp32 ``z`` (at T = 0 an ulp moves ``z`` by thousands of nats).
+    Below the cap (``|x| < c``) an odd polynomial; at and above it ``c - 2c / (e^(2a) + 1)``
+    with ``a = |x|`` times the fp32 reciprocal of ``c`` (two MUFU ops, ``exp2`` and ``rcp``),
+    ``x``'s sign copied in. Both are computed and one selected (a branch would diverge within
+    a warp). ``BELOW``: the caller knows that every ``|x| < c`` (``below_softcap``), so only
+    the polynomial is computed: the same bits, about half the instructions and no MUFU op.
+    Every kernel's softcap is this code, so that they all see the same fp32 ``z`` (at T = 0 an
+    ulp moves ``z`` by thousands of nats).
     """
     if SOFTCAP > 0:
-        a = tl.abs(x) * (1.0 / SOFTCAP)
-        r = _softcap_poly(a, SOFTCAP)
+        r = _softcap_poly(x, SOFTCAP)
         if not BELOW:
             # e^(2a) = inf gives exactly c. The exponential's argument is >= 0, so its
             # flush-to-zero variant is exact here.
+            a = tl.abs(x) * (1.0 / SOFTCAP)
             t = exp2_ftz(a * (2.0 * LOG2E), INTERPRETING)
-            large = reciprocal(t + 1.0, INTERPRETING) * (-2.0 * SOFTCAP) + SOFTCAP
-            r = tl.where(a < SOFTCAP_POLY_BELOW, r, large)  # >= 0, or NaN
-        x = (r.to(tl.int32, bitcast=True) | (x.to(tl.int32, bitcast=True) & -2147483648)
-             ).to(tl.float32, bitcast=True)
+            large = reciprocal(t + 1.0, INTERPRETING) * (-2.0 * SOFTCAP) + SOFTCAP  # >= 0, or NaN
+            large = (large.to(tl.int32, bitcast=True) | (x.to(tl.int32, bitcast=True) & -2147483648)
+                     ).to(tl.float32, bitcast=True)
+            r = tl.where(tl.abs(x) < SOFTCAP, r, large)
+        x = r
     return x
 
 
 @triton.jit
 def below_softcap(top, SOFTCAP: tl.constexpr):
     """Whether ``softcapped(x, SOFTCAP, BELOW=True)`` holds for entries whose largest ``|x|``
-    is ``top``: ``a = |x| / c`` rounds monotonically, so ``top``'s ``a`` bounds every one."""
-    return top * (1.0 / SOFTCAP) < SOFTCAP_POLY_BELOW
+    is ``top``."""
+    return top < SOFTCAP
 
 
 @triton.jit

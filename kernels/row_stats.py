@@ -199,8 +199,10 @@ def _accumulate(z, offs, start, big_m, holds, arg, rest, a_rest, r_acc, a_acc,
 
 
 @triton.jit
-def _add_weights(z, big_m, r_acc, a_acc, EXACT: tl.constexpr, PLAIN_EXP2: tl.constexpr):
-    """``R += 2^u``, ``A2 += u 2^u`` for one block whose entries are all ``<= big_m``."""
+def _add_weights(z, big_m, r_acc, a_acc, EXACT: tl.constexpr, PLAIN_EXP2: tl.constexpr,
+                 FINITE: tl.constexpr = False):
+    """``R += 2^u``, ``A2 += u 2^u`` for one block whose entries are all ``<= big_m``.
+    ``FINITE``: no entry is -inf (unmasked softcapped logits), so ``u`` needs no clamp."""
     if EXACT:
         # z * log2(e) would overflow near FLT_MAX.
         u = (z - big_m) * LOG2E
@@ -208,31 +210,37 @@ def _add_weights(z, big_m, r_acc, a_acc, EXACT: tl.constexpr, PLAIN_EXP2: tl.con
         # One FMA per entry; exact enough for sums (not used for any comparison).
         u = z * LOG2E - tl.where(big_m > NEG_INF, big_m * LOG2E, 0.0)
     e = exp2_ftz(u, PLAIN_EXP2)
-    # u = -inf (masked) has e = 0: clamped, it adds 0 instead of NaN. NaN stays NaN.
+    # u = -inf (masked) has e = 0: clamped, it adds 0 instead of NaN. NaN stays NaN. A finite
+    # u below the floor has e = 0 too, and adds -0 either way: the clamp changes no bit there.
+    if FINITE:
+        return r_acc + e, a_acc + u * e
     return r_acc + e, a_acc + tl.maximum(u, U_FLOOR) * e
 
 
 @triton.jit
 def _add_blocks(z0, z1, z2, z3, big_m, r_acc, a_acc, G: tl.constexpr, EXACT: tl.constexpr,
-                PLAIN_EXP2: tl.constexpr):
+                PLAIN_EXP2: tl.constexpr, FINITE: tl.constexpr):
     """``_add_weights`` for the first ``G`` of four blocks, in order."""
-    r_acc, a_acc = _add_weights(z0, big_m, r_acc, a_acc, EXACT, PLAIN_EXP2)
+    r_acc, a_acc = _add_weights(z0, big_m, r_acc, a_acc, EXACT, PLAIN_EXP2, FINITE)
     if G > 1:
-        r_acc, a_acc = _add_weights(z1, big_m, r_acc, a_acc, EXACT, PLAIN_EXP2)
+        r_acc, a_acc = _add_weights(z1, big_m, r_acc, a_acc, EXACT, PLAIN_EXP2, FINITE)
     if G > 2:
-        r_acc, a_acc = _add_weights(z2, big_m, r_acc, a_acc, EXACT, PLAIN_EXP2)
-        r_acc, a_acc = _add_weights(z3, big_m, r_acc, a_acc, EXACT, PLAIN_EXP2)
+        r_acc, a_acc = _add_weights(z2, big_m, r_acc, a_acc, EXACT, PLAIN_EXP2, FINITE)
+        r_acc, a_acc = _add_weights(z3, big_m, r_acc, a_acc, EXACT, PLAIN_EXP2, FINITE)
     return r_acc, a_acc
 
 
 @triton.jit
-def _add_group(z0, z1, z2, z3, big_m, r_acc, a_acc, G: tl.constexpr, PLAIN_EXP2: tl.constexpr):
+def _add_group(z0, z1, z2, z3, big_m, r_acc, a_acc, G: tl.constexpr, PLAIN_EXP2: tl.constexpr,
+               FINITE: tl.constexpr = False):
     """The weights of the first ``G`` blocks of a group behind one branch: the same sums, bit
     for bit, as ``G`` separate blocks without a new maximum."""
     if (tl.abs(big_m) < EXP_FAST_LIMIT) | (big_m == NEG_INF):
-        r_acc, a_acc = _add_blocks(z0, z1, z2, z3, big_m, r_acc, a_acc, G, False, PLAIN_EXP2)
+        r_acc, a_acc = _add_blocks(z0, z1, z2, z3, big_m, r_acc, a_acc, G, False, PLAIN_EXP2,
+                                    FINITE)
     else:
-        r_acc, a_acc = _add_blocks(z0, z1, z2, z3, big_m, r_acc, a_acc, G, True, PLAIN_EXP2)
+        r_acc, a_acc = _add_blocks(z0, z1, z2, z3, big_m, r_acc, a_acc, G, True, PLAIN_EXP2,
+                                    FINITE)
     return r_acc, a_acc
 
 
@@ -479,7 +487,9 @@ def _walk_group(xg0, xg1, xg2, xg3, walk, offs, lead, n_walk, n_cols, row_ptr, a
                 zg3, offs, start + 3 * BLOCK, big_m, holds, arg_b, rest, a_rest, r_acc, a_acc,
                 PLAIN_EXP2)
     else:
-        r_acc, a_acc = _add_group(zg0, zg1, zg2, zg3, big_m, r_acc, a_acc, G, PLAIN_EXP2)
+        # A whole group of softcapped logits with nothing masked holds no -inf.
+        FINITE: tl.constexpr = (SOFTCAP > 0) & WHOLE & (not HAS_THRESHOLD) & (not HAS_ALLOWED)
+        r_acc, a_acc = _add_group(zg0, zg1, zg2, zg3, big_m, r_acc, a_acc, G, PLAIN_EXP2, FINITE)
 
     end = walk + G * BLOCK
     if ((end % SAMPLE_BLOCK) == 0) | (end >= n_walk):
