@@ -1002,10 +1002,6 @@ def vocabulary_parts(cfg: dict, n_walk: int, sample_block: int) -> tuple[int, in
 PROGRAMS_PER_SM = 16
 
 
-def _num_sms(device: torch.device) -> int:
-    return contract.sm_count(device) if device.type == "cuda" else 4
-
-
 def part_group(cfg: dict, n_rows: int, parts: int, num_sms: int) -> int:
     """Consecutive parts of a row walked by one program: ``cfg["part_group"]`` where given,
     else 1 while the rows' parts fill the GPU once (``PROGRAMS_PER_SM``), else the largest
@@ -1099,7 +1095,7 @@ def row_stats_rows(
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         logits_desc = TensorDescriptor(logits, [n_rows, vocab], [logits.stride(0), 1], [1, block])
-    parts_each = part_group(cfg, n_rows, parts, _num_sms(logits.device))
+    parts_each = part_group(cfg, n_rows, parts, contract.sm_count(logits.device))
     programs = triton.cdiv(parts, parts_each)
     assert n_rows * programs < 2**31, f"{n_rows} rows x {programs} programs: too many programs"
     _row_stats_kernel[(n_rows * programs,)](
