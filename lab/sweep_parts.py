@@ -18,8 +18,7 @@ from old_kernels import row_stats as rs_old  # noqa: E402
 
 W = 256
 SIZES = (1, 4, 16, 32)
-CANDIDATES = [(None, 1), (32, 1), (32, 2), (16, 1), (16, 2), (16, 4), (8, 1), (8, 2), (8, 4),
-              (8, 8)]
+CANDIDATES = [(None, 1), (32, 1), (32, 2), (16, 1), (16, 2), (8, 1), (8, 4), (8, 8)]
 STATS = ("argmax", "sample", "entropy", "lse", "has_nan")
 
 
@@ -53,7 +52,7 @@ def main() -> None:
                     assert torch.equal(getattr(out, name), getattr(base[blocks], name)), \
                         (n, blocks, each, name)
             fns[(blocks, each)] = lambda cfg=cfg: call(cfg)
-            if (blocks, each) in ((32, 1), (8, 1), (8, 8)):
+            if (blocks, each) == (32, 1):
                 fns[(blocks, f"{each}g")] = lambda cfg=cfg, g=greedy: call(cfg, t=g)
         old = call(None, module=rs_old)
         new = base[32]
@@ -64,11 +63,11 @@ def main() -> None:
               flush=True)
         fns[("old", 32)] = lambda: call(None, module=rs_old)
         times = {k: [] for k in fns}
-        for _ in range(3):
+        for _ in range(2):
             for k, f in fns.items():
-                times[k].append(triton.testing.do_bench(f, warmup=10, rep=60) * 1e3)
+                times[k].append(triton.testing.do_bench(f, warmup=10, rep=40) * 1e3)
         auto = rs.part_group({}, rows, 8, sms)
-        print(f"{n} req ({rows} rows; auto group for parts of 8: {auto}), us min/median: "
+        print(f"{n} req ({rows} rows; auto group for parts of 8: {auto}), us min/max: "
               + "  ".join(f"{b}x{e}: {min(t):.0f}/{sorted(t)[1]:.0f}" for (b, e), t in times.items()),
               flush=True)
     print("bits equal across part groups: ok")
