@@ -55,21 +55,22 @@ on an SM, 4 per scheduler). What keeps each warp busy:
   for 16-bit ones with a softcap, off for 16-bit ones without, see ``default_config``): at 1
   request the 256 rows give two one-warp programs per SM, too few to keep the memory (or,
   with a softcap's tanh per entry, the ALUs) busy whatever each one does. Each row's walk
-  is then cut into parts of ``part_blocks`` sampling blocks, one program each. A part walks
+  is then cut into parts of ``part_blocks`` sampling blocks. A part walks
   exactly as the whole row would, except that its running maximum starts afresh; it files
   its row state (max, arg-max, sums, NaN flag, best block key and column) in a scratch slot
-  and counts itself in on a per-row counter. The part that arrives last merges the parts in
-  vocabulary order (``_merge_partials``), runs stage b and writes the row, and puts the
-  counter back to zero (so a CUDA graph replays it). The count is a part's only atomic:
-  issued by its thread 0 after a barrier, with acq_rel semantics, it publishes the slot's
-  plain stores (release) and orders the merger's reads after every part's (acquire). Atomic
-  slot words would each cost a fence (on sm_90 a ``MEMBAR.ALL.GPU`` and an L1 invalidation
-  each), one after the other in the row's tail. The split depends on the config and the row
-  length only, never on the number of rows, so a request's bits stay independent of its
-  batch. How many programs walk a row's parts may follow the batch (``part_group``): at
-  many rows one program walks several consecutive parts, each filed in its own slot exactly
-  as a program of its own would, so that a split fine enough to fill the GPU at one request
-  does not pay a program's start, count and tail per part at many.
+  and its program counts itself in on a per-row counter once its parts are filed. The
+  program that arrives last merges the parts in vocabulary order (``_merge_partials``), runs
+  stage b and writes the row, and puts the counter back to zero (so a CUDA graph replays
+  it). The count is a program's only atomic: issued by its thread 0 after a barrier, with
+  acq_rel semantics, it publishes the slots' plain stores (release) and orders the merger's
+  reads after every part's (acquire). Atomic slot words would each cost a fence (on sm_90 a
+  ``MEMBAR.ALL.GPU`` and an L1 invalidation each), one after the other in the row's tail.
+  The split depends on the config and the row length only, never on the number of rows, so
+  a request's bits stay independent of its batch. How many programs walk a row's parts may
+  follow the batch (``part_group``): at many rows one program walks several consecutive
+  parts, each filed in its own slot exactly as a program of its own would, so that a split
+  fine enough to fill the GPU at one request does not pay a program's start, count and tail
+  per part at many.
 
 Why two stages and not one Gumbel-max over the row: the keyed per-token noise costs a
 32-bit hash per entry, about 20 instructions even behind a filter, several times the
@@ -1004,8 +1005,8 @@ PROGRAMS_PER_SM = 16
 
 def part_group(cfg: dict, n_rows: int, parts: int, num_sms: int) -> int:
     """Consecutive parts of a row walked by one program: ``cfg["part_group"]`` where given,
-    else 1 while the rows' parts fill the GPU once (``PROGRAMS_PER_SM``), else the largest
-    power of two that keeps the programs at least that many. Each part files its own state,
+    else the largest power of two that still leaves ``PROGRAMS_PER_SM`` programs per SM (1
+    where programs of 2 parts would not). Each part files its own state,
     so unlike the split itself this choice changes no bit and may follow the batch."""
     group = cfg.get("part_group")
     if group is not None:

@@ -103,8 +103,8 @@ def recording_compiles() -> list:
 
 def compile_row_stats(args, ptxas: str) -> bool:
     """Compile ``row_stats_rows``'s kernel as an H200 would run it (the descriptor walk forced
-    on: its test needs a CUDA tensor) for each dtype, unsplit and split (a part per program and
-    four parts per program; a softcap, the hidden-state path); report registers and
+    on: its test needs a CUDA tensor) for each dtype, unsplit and split (one and four parts per
+    program; with a softcap, the hidden-state path, one and two); report registers and
     spills, and check the split kernel's atomic. Returns whether all is well."""
     import torch
 
@@ -117,7 +117,7 @@ def compile_row_stats(args, ptxas: str) -> bool:
     n, v = 256, 262144
     for dtype in (getattr(torch, name) for name in args.dtypes.split(",")):
         for blocks, each, softcap in ((None, None, None), (4, 1, None), (4, 4, None),
-                                      (8, 1, 30.0)):
+                                      (8, 1, 30.0), (8, 2, 30.0)):
             rows = torch.zeros(n, dtype=torch.int32)
             ones, zeros = torch.ones(1), torch.zeros(1, dtype=torch.int64)
             rs.row_stats_rows(torch.empty(n, v, dtype=dtype), rows, rows, ones, zeros, zeros,
