@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import record  # noqa: E402
 
 from dgemma_sampler import reference  # noqa: E402
+from dgemma_sampler.kernels import contract  # noqa: E402
 from dgemma_sampler.kernels import soft_embedding_dispatch as se  # noqa: E402
 
 CANVAS = 256
@@ -130,7 +131,7 @@ def run_size(requests: int, vocab: int, hidden: int) -> dict:
         key = se.tuning_key(planned, hidden, vocab, dtype, torch.bfloat16, (keep_mask,) + masks[1:])
         cfg = se._TUNED.get(key)
         if cfg is not None:
-            sms = se._num_sms(torch.device("cuda"))
+            sms = contract.sm_count(torch.device("cuda"))
             result[f"{name}_config"] = str(cfg)
             if keep_mask:  # the count stays on the device: the plans of every count
                 plan = se.plans_by_count(rows, hidden, vocab, cfg, sms, torch.device("cuda"))

@@ -161,7 +161,15 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+# What the interpreter (CPU tensors) plans with in place of a GPU's SM count: few enough that
+# small test shapes still cover several waves.
+INTERPRETER_SMS = 4
+
+
 def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device, cached like ``cuda_capability``."""
+    """Streaming multiprocessors of a CUDA device, cached like ``cuda_capability``;
+    ``INTERPRETER_SMS`` for any other device."""
+    if device.type != "cuda":
+        return INTERPRETER_SMS
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _sm_count(index)

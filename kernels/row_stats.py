@@ -55,18 +55,22 @@ on an SM, 4 per scheduler). What keeps each warp busy:
   for 16-bit ones with a softcap, off for 16-bit ones without, see ``default_config``): at 1
   request the 256 rows give two one-warp programs per SM, too few to keep the memory (or,
   with a softcap's tanh per entry, the ALUs) busy whatever each one does. Each row's walk
-  is then cut into parts of ``part_blocks`` sampling blocks, one program each. A part walks
+  is then cut into parts of ``part_blocks`` sampling blocks. A part walks
   exactly as the whole row would, except that its running maximum starts afresh; it files
   its row state (max, arg-max, sums, NaN flag, best block key and column) in a scratch slot
-  and counts itself in on a per-row counter. The part that arrives last merges the parts in
-  vocabulary order (``_merge_partials``), runs stage b and writes the row, and puts the
-  counter back to zero (so a CUDA graph replays it). The count is a part's only atomic:
-  issued by its thread 0 after a barrier, with acq_rel semantics, it publishes the slot's
-  plain stores (release) and orders the merger's reads after every part's (acquire). Atomic
-  slot words would each cost a fence (on sm_90 a ``MEMBAR.ALL.GPU`` and an L1 invalidation
-  each), one after the other in the row's tail. The split depends on the config and the row
-  length only, never on the number of rows, so a request's bits stay independent of its
-  batch.
+  and its program counts itself in on a per-row counter once its parts are filed. The
+  program that arrives last merges the parts in vocabulary order (``_merge_partials``), runs
+  stage b and writes the row, and puts the counter back to zero (so a CUDA graph replays
+  it). The count is a program's only atomic: issued by its thread 0 after a barrier, with
+  acq_rel semantics, it publishes the slots' plain stores (release) and orders the merger's
+  reads after every part's (acquire). Atomic slot words would each cost a fence (on sm_90 a
+  ``MEMBAR.ALL.GPU`` and an L1 invalidation each), one after the other in the row's tail.
+  The split depends on the config and the row length only, never on the number of rows, so
+  a request's bits stay independent of its batch. How many programs walk a row's parts may
+  follow the batch (``part_group``): at many rows one program walks several consecutive
+  parts, each filed in its own slot exactly as a program of its own would, so that a split
+  fine enough to fill the GPU at one request does not pay a program's start, count and tail
+  per part at many.
 
 Why two stages and not one Gumbel-max over the row: the keyed per-token noise costs a
 32-bit hash per entry, about 20 instructions even behind a filter, several times the
@@ -97,10 +101,12 @@ from . import contract
 from . import keyed_noise as kn
 from .contract import RowStats, cuda_capability
 from .logit_row import (
+    INTERPRETING,
     LOG2E,
     NEG_INF,
     NO_INDEX,
     U_FLOOR,
+    below_softcap,
     exp2_ftz,
     finish_stats,
     interpreting,
@@ -127,19 +133,21 @@ EXP_FAST_LIMIT = tl.constexpr(2048.0)
 @triton.jit
 def _block_z(x, offs, start, vocab, inv_t, threshold, allowed_row,
              SOFTCAP: tl.constexpr, HAS_THRESHOLD: tl.constexpr, HAS_ALLOWED: tl.constexpr,
-             CLEAN: tl.constexpr):
+             CLEAN: tl.constexpr, BELOW: tl.constexpr = False, WHOLE: tl.constexpr = False):
     """``z`` of one vocabulary block of fp32 logits ``x`` (padding past the row end is -inf).
 
     ``CLEAN``: the reference semantics (NaN masked, +inf clamped to FLT_MAX). Otherwise NaN
     and +inf pass through unmasked so that the block's sum turns NaN and the caller re-reads
-    it cleanly; masks are written ``~(x < t)`` so that they keep a NaN.
+    it cleanly; masks are written ``~(x < t)`` so that they keep a NaN. ``BELOW``: every
+    ``|x|`` is below the softcap (``logit_row.softcapped``). ``WHOLE``: the block lies inside
+    the row (the descriptor walk's groups), so no padding needs masking.
     """
-    x = softcapped(x, SOFTCAP)
+    x = softcapped(x, SOFTCAP, BELOW)
     keep = tl.full(x.shape, 1, tl.int1)
     inside = (offs >= -start) & (offs < vocab - start)  # start < 0 before an unaligned slice
     if HAS_THRESHOLD:
         keep = ~(x < threshold)
-    if SOFTCAP > 0:
+    if SOFTCAP > 0 and not WHOLE:
         # the padding outside the row is -inf, which the softcap turns into -c
         keep = keep & inside
     if HAS_ALLOWED:
@@ -152,7 +160,7 @@ def _block_z(x, offs, start, vocab, inv_t, threshold, allowed_row,
         z = tl.where(keep & (x == x), scaled(x, inv_t), NEG_INF)
     else:
         z = x * inv_t
-        if HAS_THRESHOLD or HAS_ALLOWED or SOFTCAP > 0:
+        if HAS_THRESHOLD or HAS_ALLOWED or (SOFTCAP > 0 and not WHOLE):
             z = tl.where(keep, z, NEG_INF)
     return z
 
@@ -192,8 +200,10 @@ def _accumulate(z, offs, start, big_m, holds, arg, rest, a_rest, r_acc, a_acc,
 
 
 @triton.jit
-def _add_weights(z, big_m, r_acc, a_acc, EXACT: tl.constexpr, PLAIN_EXP2: tl.constexpr):
-    """``R += 2^u``, ``A2 += u 2^u`` for one block whose entries are all ``<= big_m``."""
+def _add_weights(z, big_m, r_acc, a_acc, EXACT: tl.constexpr, PLAIN_EXP2: tl.constexpr,
+                 FINITE: tl.constexpr = False):
+    """``R += 2^u``, ``A2 += u 2^u`` for one block whose entries are all ``<= big_m``.
+    ``FINITE``: no entry is -inf (unmasked softcapped logits), so ``u`` needs no clamp."""
     if EXACT:
         # z * log2(e) would overflow near FLT_MAX.
         u = (z - big_m) * LOG2E
@@ -201,31 +211,37 @@ def _add_weights(z, big_m, r_acc, a_acc, EXACT: tl.constexpr, PLAIN_EXP2: tl.con
         # One FMA per entry; exact enough for sums (not used for any comparison).
         u = z * LOG2E - tl.where(big_m > NEG_INF, big_m * LOG2E, 0.0)
     e = exp2_ftz(u, PLAIN_EXP2)
-    # u = -inf (masked) has e = 0: clamped, it adds 0 instead of NaN. NaN stays NaN.
+    # u = -inf (masked) has e = 0: clamped, it adds 0 instead of NaN. NaN stays NaN. A finite
+    # u below the floor has e = 0 too, and adds -0 either way: the clamp changes no bit there.
+    if FINITE:
+        return r_acc + e, a_acc + u * e
     return r_acc + e, a_acc + tl.maximum(u, U_FLOOR) * e
 
 
 @triton.jit
 def _add_blocks(z0, z1, z2, z3, big_m, r_acc, a_acc, G: tl.constexpr, EXACT: tl.constexpr,
-                PLAIN_EXP2: tl.constexpr):
+                PLAIN_EXP2: tl.constexpr, FINITE: tl.constexpr):
     """``_add_weights`` for the first ``G`` of four blocks, in order."""
-    r_acc, a_acc = _add_weights(z0, big_m, r_acc, a_acc, EXACT, PLAIN_EXP2)
+    r_acc, a_acc = _add_weights(z0, big_m, r_acc, a_acc, EXACT, PLAIN_EXP2, FINITE)
     if G > 1:
-        r_acc, a_acc = _add_weights(z1, big_m, r_acc, a_acc, EXACT, PLAIN_EXP2)
+        r_acc, a_acc = _add_weights(z1, big_m, r_acc, a_acc, EXACT, PLAIN_EXP2, FINITE)
     if G > 2:
-        r_acc, a_acc = _add_weights(z2, big_m, r_acc, a_acc, EXACT, PLAIN_EXP2)
-        r_acc, a_acc = _add_weights(z3, big_m, r_acc, a_acc, EXACT, PLAIN_EXP2)
+        r_acc, a_acc = _add_weights(z2, big_m, r_acc, a_acc, EXACT, PLAIN_EXP2, FINITE)
+        r_acc, a_acc = _add_weights(z3, big_m, r_acc, a_acc, EXACT, PLAIN_EXP2, FINITE)
     return r_acc, a_acc
 
 
 @triton.jit
-def _add_group(z0, z1, z2, z3, big_m, r_acc, a_acc, G: tl.constexpr, PLAIN_EXP2: tl.constexpr):
+def _add_group(z0, z1, z2, z3, big_m, r_acc, a_acc, G: tl.constexpr, PLAIN_EXP2: tl.constexpr,
+               FINITE: tl.constexpr = False):
     """The weights of the first ``G`` blocks of a group behind one branch: the same sums, bit
     for bit, as ``G`` separate blocks without a new maximum."""
     if (tl.abs(big_m) < EXP_FAST_LIMIT) | (big_m == NEG_INF):
-        r_acc, a_acc = _add_blocks(z0, z1, z2, z3, big_m, r_acc, a_acc, G, False, PLAIN_EXP2)
+        r_acc, a_acc = _add_blocks(z0, z1, z2, z3, big_m, r_acc, a_acc, G, False, PLAIN_EXP2,
+                                    FINITE)
     else:
-        r_acc, a_acc = _add_blocks(z0, z1, z2, z3, big_m, r_acc, a_acc, G, True, PLAIN_EXP2)
+        r_acc, a_acc = _add_blocks(z0, z1, z2, z3, big_m, r_acc, a_acc, G, True, PLAIN_EXP2,
+                                    FINITE)
     return r_acc, a_acc
 
 
@@ -255,6 +271,20 @@ def _max16(a, b):
     else:
         return tl.inline_asm_elementwise("max.f16x2 $0, $1, $2;", "=r,r,r", [a, b],
                                          dtype=tl.float16, is_pure=True, pack=2)
+
+
+@triton.jit
+def _abs_max16(a, b):
+    """Elementwise ``max(|a|, |b|)`` of two 16-bit tensors, the sign bits cleared and one
+    ``max.bf16x2`` / ``max.f16x2`` per two entries; NaN loses, as in ``_max16``."""
+    if a.dtype == tl.bfloat16:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t, u; and.b32 t, $1, 0x7fff7fff; and.b32 u, $2, 0x7fff7fff; "
+            "max.bf16x2 $0, t, u; }", "=r,r,r", [a, b], dtype=tl.bfloat16, is_pure=True, pack=2)
+    else:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t, u; and.b32 t, $1, 0x7fff7fff; and.b32 u, $2, 0x7fff7fff; "
+            "max.f16x2 $0, t, u; }", "=r,r,r", [a, b], dtype=tl.float16, is_pure=True, pack=2)
 
 
 @triton.jit
@@ -341,23 +371,65 @@ def _desc_group(logits_desc, row, walk, G: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _group_z(xg0, xg1, xg2, xg3, offs, start, vocab, inv_t, threshold, allowed_row,
+def _group_z_of(xg0, xg1, xg2, xg3, offs, start, vocab, inv_t, threshold, allowed_row,
              SOFTCAP: tl.constexpr, HAS_THRESHOLD: tl.constexpr, HAS_ALLOWED: tl.constexpr,
-             G: tl.constexpr, BLOCK: tl.constexpr):
+             G: tl.constexpr, BLOCK: tl.constexpr, BELOW: tl.constexpr, WHOLE: tl.constexpr):
     """``_block_z`` of the ``G`` blocks of a group starting at column ``start``."""
     zg0 = _block_z(xg0.to(tl.float32), offs, start, vocab, inv_t, threshold, allowed_row,
-                   SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, False)
+                   SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, False, BELOW, WHOLE)
     zg1 = zg0
     zg2 = zg0
     zg3 = zg0
     if G > 1:
         zg1 = _block_z(xg1.to(tl.float32), offs, start + BLOCK, vocab, inv_t, threshold,
-                       allowed_row, SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, False)
+                       allowed_row, SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, False, BELOW, WHOLE)
     if G > 2:
         zg2 = _block_z(xg2.to(tl.float32), offs, start + 2 * BLOCK, vocab, inv_t, threshold,
-                       allowed_row, SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, False)
+                       allowed_row, SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, False, BELOW, WHOLE)
         zg3 = _block_z(xg3.to(tl.float32), offs, start + 3 * BLOCK, vocab, inv_t, threshold,
-                       allowed_row, SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, False)
+                       allowed_row, SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, False, BELOW, WHOLE)
+    return zg0, zg1, zg2, zg3
+
+
+@triton.jit
+def _group_z(xg0, xg1, xg2, xg3, offs, start, vocab, inv_t, threshold, allowed_row,
+             SOFTCAP: tl.constexpr, HAS_THRESHOLD: tl.constexpr, HAS_ALLOWED: tl.constexpr,
+             G: tl.constexpr, BLOCK: tl.constexpr, WHOLE: tl.constexpr):
+    """``_block_z`` of the ``G`` blocks of a group starting at column ``start``. With a
+    softcap over 16-bit logits (the hidden-state path), a group whose every ``|x|`` is below
+    it (all but a few groups of a row) takes the softcap's polynomial alone: the same bits
+    without the two MUFU ops per entry that otherwise bound the pass with the ALU work
+    beside them. (fp32 logits keep one path: with both they spill at 128 registers.)"""
+    POLY_GROUPS: tl.constexpr = (SOFTCAP > 0) & (xg0.dtype.primitive_bitwidth == 16)
+    if POLY_GROUPS:
+        # The group's largest |x| on the raw 16-bit registers (no fp32 copy live across the
+        # branch: that would cost registers, hence programs per SM).
+        if INTERPRETING:
+            top = tl.abs(xg0.to(tl.float32))
+            if G > 1:
+                top = tl.maximum(top, tl.abs(xg1.to(tl.float32)))
+            if G > 2:
+                top = tl.maximum(top, tl.maximum(tl.abs(xg2.to(tl.float32)),
+                                                 tl.abs(xg3.to(tl.float32))))
+        else:
+            top = xg0
+            if G > 1:
+                top = _abs_max16(xg0, xg1)
+            if G > 2:
+                top = _abs_max16(top, _abs_max16(xg2, xg3))
+            top = tl.abs(top.to(tl.float32))
+        if below_softcap(tl.max(top, 0), SOFTCAP):
+            zg0, zg1, zg2, zg3 = _group_z_of(xg0, xg1, xg2, xg3, offs, start, vocab, inv_t,
+                                             threshold, allowed_row, SOFTCAP, HAS_THRESHOLD,
+                                             HAS_ALLOWED, G, BLOCK, True, WHOLE)
+        else:
+            zg0, zg1, zg2, zg3 = _group_z_of(xg0, xg1, xg2, xg3, offs, start, vocab, inv_t,
+                                             threshold, allowed_row, SOFTCAP, HAS_THRESHOLD,
+                                             HAS_ALLOWED, G, BLOCK, False, WHOLE)
+    else:
+        zg0, zg1, zg2, zg3 = _group_z_of(xg0, xg1, xg2, xg3, offs, start, vocab, inv_t,
+                                         threshold, allowed_row, SOFTCAP, HAS_THRESHOLD,
+                                         HAS_ALLOWED, G, BLOCK, False, WHOLE)
     return zg0, zg1, zg2, zg3
 
 
@@ -368,7 +440,8 @@ def _walk_group(xg0, xg1, xg2, xg3, walk, offs, lead, n_walk, n_cols, row_ptr, a
                 big_m, holds, arg_b, rest, a_rest, r_acc, a_acc,
                 SOFTCAP: tl.constexpr, HAS_THRESHOLD: tl.constexpr, HAS_ALLOWED: tl.constexpr,
                 SAMPLE_BLOCK: tl.constexpr, BLOCK: tl.constexpr, G: tl.constexpr,
-                KEY_BUFFER: tl.constexpr, RAW_MAX: tl.constexpr, PLAIN_EXP2: tl.constexpr):
+                KEY_BUFFER: tl.constexpr, RAW_MAX: tl.constexpr, PLAIN_EXP2: tl.constexpr,
+                WHOLE: tl.constexpr = False):
     """One group of ``G`` vocabulary blocks of the walk: accumulate them; where the group
     ends a sampling block, merge that block into the row and let its key compete (stage a).
     Returns the updated state: the row's (m, arg, r_row, a_row, has_nan, best, best_start,
@@ -383,7 +456,7 @@ def _walk_group(xg0, xg1, xg2, xg3, walk, offs, lead, n_walk, n_cols, row_ptr, a
     """
     start = walk - lead  # column of the group's first entry
     zg0, zg1, zg2, zg3 = _group_z(xg0, xg1, xg2, xg3, offs, start, vocab, inv_t, threshold,
-                                  allowed_row, SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, G, BLOCK)
+                                  allowed_row, SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, G, BLOCK, WHOLE)
     group_max = NEG_INF
     if G > 1:
         if RAW_MAX:
@@ -415,7 +488,9 @@ def _walk_group(xg0, xg1, xg2, xg3, walk, offs, lead, n_walk, n_cols, row_ptr, a
                 zg3, offs, start + 3 * BLOCK, big_m, holds, arg_b, rest, a_rest, r_acc, a_acc,
                 PLAIN_EXP2)
     else:
-        r_acc, a_acc = _add_group(zg0, zg1, zg2, zg3, big_m, r_acc, a_acc, G, PLAIN_EXP2)
+        # A whole group of softcapped logits with nothing masked holds no -inf.
+        FINITE: tl.constexpr = (SOFTCAP > 0) & WHOLE & (not HAS_THRESHOLD) & (not HAS_ALLOWED)
+        r_acc, a_acc = _add_group(zg0, zg1, zg2, zg3, big_m, r_acc, a_acc, G, PLAIN_EXP2, FINITE)
 
     end = walk + G * BLOCK
     if ((end % SAMPLE_BLOCK) == 0) | (end >= n_walk):
@@ -614,71 +689,17 @@ def _finish_row(m, arg, r_row, a_row, has_nan, best, best_start, row, row_ptr, n
         tl.store(sample_key_ptr + row, tl.where(sampling & kept, best, NEG_INF), mask=todo)
 
 
-@triton.jit(do_not_specialize=["vocab_offset"])
-def _row_stats_kernel(
-    logits_ptr, row_stride,                      # [N, V] rows, last dim contiguous
-    logits_desc,                                 # TMA descriptor of logits, block [1, BLOCK]
-    row_request_ptr, row_position_ptr,           # [N] int: request of the row, canvas position
-    temperature_ptr, inv_t_ptr,                  # [R] fp32: T (0 = greedy), 1 / max(T, 1e-10)
-    seeds_ptr, draws_ptr,                        # [R] int64
-    threshold_ptr, done_ptr,                     # [N] fp32 keep x >= t (-inf written here when
-                                                 # no threshold); [N] int8 row finished
-    allowed_ptr, allowed_stride,                 # [R, V] bool
-    column_tokens_ptr,                           # [V] int64 token id of each column
-    argmax_ptr, sample_ptr, entropy_ptr, lse_ptr, has_nan_ptr,  # [N] outputs
-    sample_key_ptr,                              # [N] fp32 output (HAS_SAMPLE_KEY)
-    partials_ptr, arrivals_ptr,                  # [N, PARTS, 8] int32 scratch; [N] int32 zeros
-    vocab, vocab_offset,
-    SOFTCAP: tl.constexpr,
-    HAS_THRESHOLD: tl.constexpr,
-    HAS_ALLOWED: tl.constexpr,
-    HAS_COLUMN_TOKENS: tl.constexpr,
-    HAS_SAMPLE_KEY: tl.constexpr,
-    NOISE_FILTER: tl.constexpr,  # the hash filter of stage b (False only to measure it)
-    SAMPLE_BLOCK: tl.constexpr,  # positions per sampling block (a multiple of BLOCK)
-    BLOCK: tl.constexpr,
-    GROUP: tl.constexpr,         # blocks per max check (1, 2 or 4)
-    KEY_BUFFER: tl.constexpr,    # sampling-block keys drawn together (a power of two)
-    PREFETCH: tl.constexpr,      # blocks loaded ahead into registers: 0, GROUP or 2 GROUP
-    NUM_STAGES: tl.constexpr,    # Triton's own load pipelining (cp.async) when > 1
-    ALIGNED: tl.constexpr,       # vocab_offset % SAMPLE_BLOCK == 0 (no lead)
-    PLAIN_EXP2: tl.constexpr,    # tl.exp2 in the hot loop, not ex2.approx.ftz (interpreter)
-    TMA_WALK: tl.constexpr,      # whole groups through logits_desc (needs ALIGNED)
-    TMA_STAGES: tl.constexpr,    # groups in flight in shared memory on the descriptor walk
-    PARTS: tl.constexpr,         # programs per row, each walking PART_LEN positions (1: no split)
-    PART_LEN: tl.constexpr,      # walk positions per part (a multiple of SAMPLE_BLOCK)
-):
-    pid = tl.program_id(0)
-    row = pid // PARTS
-    part = pid % PARTS
-    request = tl.load(row_request_ptr + row).to(tl.int64)
-    position = tl.load(row_position_ptr + row)
-    inv_t = tl.load(inv_t_ptr + request)
-    sampling = tl.load(temperature_ptr + request) != 0.0
-    seed = tl.load(seeds_ptr + request)
-    draw = tl.load(draws_ptr + request)
-    block_key = kn.row_key(seed, draw, position, BLOCK_STREAM)
-    row_ptr = logits_ptr + row.to(tl.int64) * row_stride
-    allowed_row = allowed_ptr + request * allowed_stride
-
-    threshold = tl.full((), NEG_INF, tl.float32)
-    todo = tl.full((), 1, tl.int1)
-    if HAS_THRESHOLD:
-        threshold = tl.load(threshold_ptr + row)
-        todo = tl.load(done_ptr + row) == 0
-    elif part == 0:
-        tl.store(threshold_ptr + row, threshold)  # the row's output: nothing cut (-inf)
-    n_cols = tl.where(todo, vocab, 0)
-    # The walk starts on the sampling-block boundary at or before the slice: column
-    # `start` runs from -lead (masked) so that vocabulary blocks never straddle two
-    # sampling blocks. lead = 0 when vocab_offset is a multiple of SAMPLE_BLOCK.
-    if ALIGNED:
-        lead = 0
-    else:
-        lead = (vocab_offset % SAMPLE_BLOCK).to(tl.int32)
-    first_block = vocab_offset // SAMPLE_BLOCK
-
-    offs = tl.arange(0, BLOCK)
+@triton.jit
+def _walk_part(logits_desc, row_ptr, row, w_begin, n_walk, offs, lead, n_cols, allowed_row,
+               block_key, first_block, vocab, inv_t, threshold, sampling, ELEMENT: tl.constexpr,
+               SOFTCAP: tl.constexpr, HAS_THRESHOLD: tl.constexpr, HAS_ALLOWED: tl.constexpr,
+               SAMPLE_BLOCK: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr,
+               KEY_BUFFER: tl.constexpr, PREFETCH: tl.constexpr, NUM_STAGES: tl.constexpr,
+               ALIGNED: tl.constexpr, PLAIN_EXP2: tl.constexpr, TMA_WALK: tl.constexpr,
+               TMA_STAGES: tl.constexpr):
+    """The row state (max, arg-max, sums, NaN flag, best sampling-block key and its column)
+    of walk positions ``[w_begin, n_walk)``: a whole row, or one part of a split walk, whose
+    running maximum starts afresh. ``ELEMENT``: the logits' element type."""
     # The row so far: max m, its lowest index, R without that entry's 1, A2.
     m = tl.full((), NEG_INF, tl.float32)
     arg = tl.full((), 0, tl.int32)
@@ -691,14 +712,7 @@ def _row_stats_kernel(
     # The current sampling block: sums relative to big_m (see _accumulate), per lane.
     big_m, holds, arg_b, rest, a_rest, r_acc, a_acc = _sampling_block_start(m, BLOCK)
 
-    # Positions walked, from the boundary: this part's [w_begin, n_walk) of the row's
-    # [0, lead + vocab). Parts end on sampling-block boundaries, so a part's blocks and keys
-    # are those of the unsplit walk; only its running maximum starts afresh.
-    w_begin = part * PART_LEN
-    n_walk = tl.where(todo, lead + vocab, 0)
-    if PARTS > 1:
-        n_walk = tl.maximum(tl.minimum(n_walk, w_begin + PART_LEN), w_begin)
-    RAW_MAX: tl.constexpr = ((logits_ptr.dtype.element_ty != tl.float32) & (SOFTCAP == 0)
+    RAW_MAX: tl.constexpr = ((ELEMENT != tl.float32) & (SOFTCAP == 0)
                              & (not HAS_THRESHOLD) & (not HAS_ALLOWED) & (not PLAIN_EXP2))
     # The walk goes by groups of GROUP blocks (one max check each, see _walk_group). Register
     # prefetch: PREFETCH blocks (0, one group or two) are loaded ahead. With two groups the
@@ -721,7 +735,7 @@ def _row_stats_kernel(
                 m, arg, r_row, a_row, has_nan, best, best_start, key_m, key_r, key_h,
                 big_m, holds, arg_b, rest, a_rest, r_acc, a_acc,
                 SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, SAMPLE_BLOCK, BLOCK, GROUP, KEY_BUFFER,
-                RAW_MAX, PLAIN_EXP2)
+                RAW_MAX, PLAIN_EXP2, True)
     if PREFETCH > 0:
         a0, a1, a2, a3 = _load_group(row_ptr, walk0, offs, lead, n_walk, GROUP, BLOCK, ALIGNED)
     if PREFETCH > GROUP:
@@ -753,25 +767,114 @@ def _row_stats_kernel(
             b0, b1, b2, b3 = _load_group(row_ptr, walk + STEP + SPAN, offs, lead, n_walk, GROUP,
                                          BLOCK, ALIGNED)
 
+    return m, arg, r_row, a_row, has_nan, best, best_start
+
+
+@triton.jit(do_not_specialize=["vocab_offset"])
+def _row_stats_kernel(
+    logits_ptr, row_stride,                      # [N, V] rows, last dim contiguous
+    logits_desc,                                 # TMA descriptor of logits, block [1, BLOCK]
+    row_request_ptr, row_position_ptr,           # [N] int: request of the row, canvas position
+    temperature_ptr, inv_t_ptr,                  # [R] fp32: T (0 = greedy), 1 / max(T, 1e-10)
+    seeds_ptr, draws_ptr,                        # [R] int64
+    threshold_ptr, done_ptr,                     # [N] fp32 keep x >= t (-inf written here when
+                                                 # no threshold); [N] int8 row finished
+    allowed_ptr, allowed_stride,                 # [R, V] bool
+    column_tokens_ptr,                           # [V] int64 token id of each column
+    argmax_ptr, sample_ptr, entropy_ptr, lse_ptr, has_nan_ptr,  # [N] outputs
+    sample_key_ptr,                              # [N] fp32 output (HAS_SAMPLE_KEY)
+    partials_ptr, arrivals_ptr,                  # [N, PARTS, 8] int32 scratch; [N] int32 zeros
+    vocab, vocab_offset,
+    SOFTCAP: tl.constexpr,
+    HAS_THRESHOLD: tl.constexpr,
+    HAS_ALLOWED: tl.constexpr,
+    HAS_COLUMN_TOKENS: tl.constexpr,
+    HAS_SAMPLE_KEY: tl.constexpr,
+    NOISE_FILTER: tl.constexpr,  # the hash filter of stage b (False only to measure it)
+    SAMPLE_BLOCK: tl.constexpr,  # positions per sampling block (a multiple of BLOCK)
+    BLOCK: tl.constexpr,
+    GROUP: tl.constexpr,         # blocks per max check (1, 2 or 4)
+    KEY_BUFFER: tl.constexpr,    # sampling-block keys drawn together (a power of two)
+    PREFETCH: tl.constexpr,      # blocks loaded ahead into registers: 0, GROUP or 2 GROUP
+    NUM_STAGES: tl.constexpr,    # Triton's own load pipelining (cp.async) when > 1
+    ALIGNED: tl.constexpr,       # vocab_offset % SAMPLE_BLOCK == 0 (no lead)
+    PLAIN_EXP2: tl.constexpr,    # tl.exp2 in the hot loop, not ex2.approx.ftz (interpreter)
+    TMA_WALK: tl.constexpr,      # whole groups through logits_desc (needs ALIGNED)
+    TMA_STAGES: tl.constexpr,    # groups in flight in shared memory on the descriptor walk
+    PARTS: tl.constexpr,         # parts per row, each walking PART_LEN positions (1: no split)
+    PART_LEN: tl.constexpr,      # walk positions per part (a multiple of SAMPLE_BLOCK)
+    PART_GROUP: tl.constexpr,    # consecutive parts walked by one program (changes no bit)
+    PROGRAMS: tl.constexpr,      # programs per row: cdiv(PARTS, PART_GROUP)
+):
+    pid = tl.program_id(0)
+    row = pid // PROGRAMS
+    program = pid % PROGRAMS
+    request = tl.load(row_request_ptr + row).to(tl.int64)
+    position = tl.load(row_position_ptr + row)
+    inv_t = tl.load(inv_t_ptr + request)
+    sampling = tl.load(temperature_ptr + request) != 0.0
+    seed = tl.load(seeds_ptr + request)
+    draw = tl.load(draws_ptr + request)
+    block_key = kn.row_key(seed, draw, position, BLOCK_STREAM)
+    row_ptr = logits_ptr + row.to(tl.int64) * row_stride
+    allowed_row = allowed_ptr + request * allowed_stride
+
+    threshold = tl.full((), NEG_INF, tl.float32)
+    todo = tl.full((), 1, tl.int1)
+    if HAS_THRESHOLD:
+        threshold = tl.load(threshold_ptr + row)
+        todo = tl.load(done_ptr + row) == 0
+    elif program == 0:
+        tl.store(threshold_ptr + row, threshold)  # the row's output: nothing cut (-inf)
+    n_cols = tl.where(todo, vocab, 0)
+    # The walk starts on the sampling-block boundary at or before the slice: column
+    # `start` runs from -lead (masked) so that vocabulary blocks never straddle two
+    # sampling blocks. lead = 0 when vocab_offset is a multiple of SAMPLE_BLOCK.
+    if ALIGNED:
+        lead = 0
+    else:
+        lead = (vocab_offset % SAMPLE_BLOCK).to(tl.int32)
+    first_block = vocab_offset // SAMPLE_BLOCK
+
+    offs = tl.arange(0, BLOCK)
+    # Positions walked, from the boundary: the row's [0, lead + vocab), cut into parts of
+    # PART_LEN. Parts end on sampling-block boundaries, so a part's blocks and keys are
+    # those of the unsplit walk; only its running maximum starts afresh.
+    row_walk = tl.where(todo, lead + vocab, 0)
     if PARTS == 1:
+        m, arg, r_row, a_row, has_nan, best, best_start = _walk_part(
+            logits_desc, row_ptr, row, 0, row_walk, offs, lead, n_cols, allowed_row, block_key,
+            first_block, vocab, inv_t, threshold, sampling, logits_ptr.dtype.element_ty,
+            SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, SAMPLE_BLOCK, BLOCK, GROUP, KEY_BUFFER,
+            PREFETCH, NUM_STAGES, ALIGNED, PLAIN_EXP2, TMA_WALK, TMA_STAGES)
         _finish_row(m, arg, r_row, a_row, has_nan, best, best_start, row, row_ptr, n_cols, todo,
                     sampling, seed, draw, position, vocab, vocab_offset, inv_t, threshold,
                     allowed_row, column_tokens_ptr, argmax_ptr, sample_ptr, entropy_ptr, lse_ptr,
                     has_nan_ptr, sample_key_ptr, SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED,
                     HAS_COLUMN_TOKENS, HAS_SAMPLE_KEY, NOISE_FILTER, SAMPLE_BLOCK, BLOCK)
     else:
-        # File this part's row state; the part that arrives last merges all of them.
-        slot_ptr = partials_ptr + pid.to(tl.int64) * PARTIAL_WORDS
-        _file_partial(slot_ptr, m, arg, r_row, a_row, has_nan, best, best_start)
+        # This program's parts, one after the other; each files its row state in its own
+        # slot, so the bits are those of one program per part.
+        row_slots = partials_ptr + row.to(tl.int64) * (PARTS * PARTIAL_WORDS)
+        for part in range(program * PART_GROUP, tl.minimum(program * PART_GROUP + PART_GROUP, PARTS)):
+            w_begin = part * PART_LEN
+            n_walk = tl.maximum(tl.minimum(row_walk, w_begin + PART_LEN), w_begin)
+            m, arg, r_row, a_row, has_nan, best, best_start = _walk_part(
+                logits_desc, row_ptr, row, w_begin, n_walk, offs, lead, n_cols, allowed_row,
+                block_key, first_block, vocab, inv_t, threshold, sampling,
+                logits_ptr.dtype.element_ty, SOFTCAP, HAS_THRESHOLD, HAS_ALLOWED, SAMPLE_BLOCK,
+                BLOCK, GROUP, KEY_BUFFER, PREFETCH, NUM_STAGES, ALIGNED, PLAIN_EXP2, TMA_WALK,
+                TMA_STAGES)
+            _file_partial(row_slots + part * PARTIAL_WORDS, m, arg, r_row, a_row, has_nan, best,
+                          best_start)
         # Every thread's slot stores before thread 0's count (release: they are published
-        # with it; acquire: the merger reads the other parts' slots after it).
+        # with it; acquire: the merger reads the other programs' slots after it).
         tl.debug_barrier()
         arrived = tl.atomic_add(arrivals_ptr + row, 1, sem="acq_rel")
-        if arrived == PARTS - 1:
-            # Every part has counted in: nothing else touches the counter in this launch.
+        if arrived == PROGRAMS - 1:
+            # Every program has counted in: nothing else touches the counter in this launch.
             tl.store(arrivals_ptr + row, 0)  # ready for the next launch (graph replays)
-            m, arg, r_row, a_row, has_nan, best, best_start = _merge_partials(
-                partials_ptr + row.to(tl.int64) * (PARTS * PARTIAL_WORDS), PARTS)
+            m, arg, r_row, a_row, has_nan, best, best_start = _merge_partials(row_slots, PARTS)
             _finish_row(m, arg, r_row, a_row, has_nan, best, best_start, row, row_ptr, n_cols,
                         todo, sampling, seed, draw, position, vocab, vocab_offset, inv_t,
                         threshold, allowed_row, column_tokens_ptr, argmax_ptr, sample_ptr,
@@ -820,21 +923,24 @@ def default_config(logits: torch.Tensor, softcap: float | None = None) -> dict:
     """
     # Small programs: one warp per row, 256-entry blocks, the new-maximum test once per
     # group of 4 blocks, loads one group ahead (two groups cost registers, hence programs per
-    # SM). Every dtype takes the descriptor walk where it applies (``_tma_walk``), 3 stages
-    # for fp32 and 4 for 16-bit logits. fp32 logits split the walk into parts of 32 sampling
+    # SM), at most 128 registers: 16 programs per SM (16-bit logits with a softcap would take
+    # more for the softcap's two paths, and spill nothing at 128). Every dtype takes the
+    # descriptor walk where it applies (``_tma_walk``), 3 stages for fp32 and 4 for 16-bit
+    # logits. fp32 logits split the walk into parts of 32 sampling
     # blocks (``vocabulary_parts``): it fills the GPU at few requests for a few percent at
     # many. 16-bit logits without a softcap stream at 2 bytes an entry, lose more at many
     # requests than they gain at few, and stay whole; with a softcap (the hidden-state path)
-    # the tanh makes each entry cost ~25 instructions and parts of 32 blocks pay at one
-    # request for a few percent at many (smaller parts cost more at many requests than they
-    # gain at one). The softcap is the model's, never the batch's.
+    # the tanh makes each entry cost ~25 instructions (~20 on the softcap's polynomial alone)
+    # and parts of 32 blocks pay at one request for a few percent at many (smaller parts cost
+    # more at many requests than they gain at one); at many rows a program walks both parts
+    # of its row (``part_group``). The softcap is the model's, never the batch's.
     # Nothing here may depend on the number of rows: the block size, the walk (register or
     # descriptor: their per-lane sums run in another order) and the split set the rounding
     # of lse and entropy, and a request's bits may not depend on how the dispatcher tiled the
     # batch. Group, prefetch depth, key buffer and stage count change no bit
     # (tests/test_row_stats_kernel.py::test_walk_shape_changes_no_bit).
     fp32 = logits.element_size() == 4
-    return dict(block=256, num_warps=1, group=4, prefetch=1, num_stages=1, maxnreg=None,
+    return dict(block=256, num_warps=1, group=4, prefetch=1, num_stages=1, maxnreg=128,
                 fast_exp2=True, key_buffer=64, tma=True,
                 part_blocks=32 if fp32 or softcap else None,
                 tma_stages=3 if fp32 else 4)
@@ -890,6 +996,27 @@ def vocabulary_parts(cfg: dict, n_walk: int, sample_block: int) -> tuple[int, in
         raise ValueError(f"row_stats config: {parts} parts per row (part_blocks={blocks}) is "
                          "more than 4096")
     return (parts, part_len) if parts > 1 else (1, 0)
+
+
+# Programs of the split walk an SM runs at once (one warp of ~128 registers each): fewer per
+# SM leave the ALUs idle, more are a second wave.
+PROGRAMS_PER_SM = 16
+
+
+def part_group(cfg: dict, n_rows: int, parts: int, num_sms: int) -> int:
+    """Consecutive parts of a row walked by one program: ``cfg["part_group"]`` where given,
+    else the largest power of two that still leaves ``PROGRAMS_PER_SM`` programs per SM (1
+    where programs of 2 parts would not). Each part files its own state,
+    so unlike the split itself this choice changes no bit and may follow the batch."""
+    group = cfg.get("part_group")
+    if group is not None:
+        if isinstance(group, bool) or not (isinstance(group, int) and group >= 1):
+            raise ValueError(f"row_stats config: part_group must be an int >= 1, got {group!r}")
+        return min(group, parts)
+    group = 1
+    while group * 2 <= parts and n_rows * triton.cdiv(parts, group * 2) >= PROGRAMS_PER_SM * num_sms:
+        group *= 2
+    return group
 
 
 def row_stats_rows(
@@ -969,8 +1096,10 @@ def row_stats_rows(
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         logits_desc = TensorDescriptor(logits, [n_rows, vocab], [logits.stride(0), 1], [1, block])
-    assert n_rows * parts < 2**31, f"{n_rows} rows x {parts} parts: too many programs"
-    _row_stats_kernel[(n_rows * parts,)](
+    parts_each = part_group(cfg, n_rows, parts, contract.sm_count(logits.device))
+    programs = triton.cdiv(parts, parts_each)
+    assert n_rows * programs < 2**31, f"{n_rows} rows x {programs} programs: too many programs"
+    _row_stats_kernel[(n_rows * programs,)](
         logits, logits.stride(0), logits_desc,
         row_request, row_position,
         temp32, inv_t, seeds, draws,
@@ -1000,6 +1129,8 @@ def row_stats_rows(
         TMA_STAGES=int(cfg["tma_stages"]),
         PARTS=parts,
         PART_LEN=part_len,
+        PART_GROUP=parts_each,
+        PROGRAMS=programs,
         num_warps=cfg["num_warps"],
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
     )

@@ -53,7 +53,6 @@ SHARED_MEMORY_BYTES = 227 * 1024  # Hopper's per-block limit
 # The interpreter: small tiles so that tests cover several M/N tiles, split-K and masking, with
 # a deep K block because the interpreter's cost is per operation, not per element.
 INTERPRETER_CONFIG = TileConfig(32, 64, 128, 4, 1)
-INTERPRETER_NUM_SMS = 4
 
 
 def shared_memory_bytes(cfg: TileConfig, logits_dtype: torch.dtype, embed_dtype: torch.dtype,
@@ -171,12 +170,6 @@ def plans_by_count(rows: int, hidden: int, v_local: int, cfg: TileConfig, num_sm
 
 
 _TUNED: dict[tuple, TileConfig] = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return INTERPRETER_NUM_SMS
-    return contract.sm_count(device)
 
 
 def _pick_config(key: tuple, candidates: list[TileConfig], launch, tune: bool = True) -> TileConfig:
@@ -398,7 +391,7 @@ def soft_embedding_rows(
     if inv_t is None:
         inv_t = contract.inverse_temperature(temperature)
     contract.check_inverse_temperature(inv_t, temperature)
-    sms = num_sms if num_sms is not None else _num_sms(dev)
+    sms = num_sms if num_sms is not None else contract.sm_count(dev)
     module = _wgmma_module() if wgmma or (wgmma is None and dev.type == "cuda") else None
     # A given operand where the caller allows it (it takes the masks and the softcap too).
     given = logits_scratch and module is not None and module.supported(

@@ -606,6 +606,65 @@ def test_vocabulary_parts_bits_independent_of_rows(interpret):
         assert torch.equal(getattr(few, name), getattr(whole, name)[pick]), name
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_part_group_changes_no_bit(interpret, dtype):
+    """Programs that walk several consecutive parts of a row (a choice by the number of rows)
+    file each part's state as a program of its own would: the same bits for 1, 2, 3 and all
+    parts per program, with a part of NaN, +inf, nothing kept, a new maximum in every block,
+    an unaligned slice, an allowed set and a softcap, and the same sample keys."""
+    gen = torch.Generator().manual_seed(34)
+    n_rows, vocab, n_req = 6, 1999, 3
+    logits = torch.randn(n_rows, vocab, generator=gen) * 3
+    logits[1, 700] = float("nan")
+    logits[2, 1500] = float("inf")
+    logits[3, :1000] = float("-inf")
+    logits[4] = torch.linspace(-4, 4, vocab)
+    temperature, seeds, draws = _requests(n_req, gen, temps=(0.0, 0.7, 1.3))
+    row_request, row_position = _rows(n_rows, n_req, gen)
+    allowed = torch.rand(n_req, vocab, generator=gen) < 0.7
+    args = _on(interpret, logits.to(dtype), row_request, row_position, temperature, seeds, draws)
+    allowed = allowed.to(args[0].device)
+    key = torch.empty(n_rows, device=args[0].device)
+    for kw in (dict(vocab_offset=100), dict(allowed=allowed, softcap=30.0)):
+        outs = []
+        # 9 parts at vocab_offset 100 (8 with the allowed set): group 8 leaves a short last
+        # program there and walks the whole row in one program here
+        for group in (1, 2, 3, 8):
+            cfg = dict(PARTS_CONFIG, part_blocks=1, part_group=group)
+            stats = rs.row_stats_rows(*args, config=cfg, sample_block=256, sample_key=key, **kw)
+            outs.append((stats, key.clone()))
+        (base, base_key), *others = outs
+        for stats, other_key in others:
+            for name in ("argmax", "sample", "entropy", "lse", "has_nan"):
+                torch.testing.assert_close(getattr(stats, name), getattr(base, name), rtol=0,
+                                           atol=0, equal_nan=True, msg=name)
+            torch.testing.assert_close(other_key, base_key, rtol=0, atol=0)
+
+
+def test_part_group_follows_rows():
+    """One program per part while the parts of all rows fill the GPU once, then programs of
+    2, 4, ... parts, never fewer programs than that; a config's ``part_group`` wins."""
+    sms = 132
+    assert rs.part_group({}, 256, 8, sms) == 1          # 2048 programs: under one fill
+    assert rs.part_group({}, 1024, 8, sms) == 2         # 4096 programs of 2 parts
+    assert rs.part_group({}, 8192, 8, sms) == 8         # one program per row still fills it
+    assert rs.part_group({}, 8192, 1, sms) == 1
+    assert rs.part_group(dict(part_group=3), 1, 8, sms) == 3
+    assert rs.part_group(dict(part_group=16), 1, 8, sms) == 8
+    for rows in (256, 512, 1024, 2048, 4096, 8192):
+        group = rs.part_group({}, rows, 8, sms)
+        programs = rows * -(-8 // group)
+        assert group == 1 or programs >= rs.PROGRAMS_PER_SM * sms, (rows, group)
+        if group < 8:  # and the next power of two would have left fewer
+            assert rows * -(-8 // (2 * group)) < rs.PROGRAMS_PER_SM * sms, (rows, group)
+
+
+@pytest.mark.parametrize("group", [0, -1, 2.0, True])
+def test_part_group_config_rejects(group):
+    with pytest.raises(ValueError, match="part_group"):
+        rs.part_group(dict(part_group=group), 256, 8, 132)
+
+
 def test_default_split_follows_dtype_and_softcap_only():
     """The split sets the rounding of lse and entropy, so it may follow the logits' dtype and
     the model's softcap but never the number of rows: fp32 rows and softcapped 16-bit rows
@@ -627,17 +686,18 @@ def test_vocabulary_parts_config_rejects(interpret, blocks):
 
 
 def test_kernel_compiles_for_sm90_without_spills():
-    """The kernel, unsplit and split, compiles for sm_90 with the Triton installed here (in CI
-    the latest release; the device runs 3.6) without register spills, and the split kernel
-    issues one atomic, acq_rel from its thread 0, as its merge needs (``tools/compile_sm90.py
-    --row-stats``: a stand-in driver, no GPU)."""
+    """The kernel, unsplit and split (one and four parts per program; with a softcap one and
+    two), compiles for sm_90 with the Triton installed here (in CI the latest release; the
+    device runs 3.6) without register spills, and the split kernel issues one atomic,
+    acq_rel from its thread 0, as its merge needs (``tools/compile_sm90.py --row-stats``: a stand-in
+    driver, no GPU)."""
     tools = Path(__file__).resolve().parents[1] / "tools"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, str(tools / "compile_sm90.py"), "--row-stats",
                           "--dtypes", "float32,bfloat16"], env=env, capture_output=True,
                          text=True, timeout=600)
     report = [line for line in run.stdout.splitlines() if " shared " in line]
-    assert run.returncode == 0 and len(report) == 4, run.stdout[-2000:] + run.stderr[-2000:]
+    assert run.returncode == 0 and len(report) == 10, run.stdout[-2000:] + run.stderr[-2000:]
     for line in report:
         assert "0 bytes spill stores" in line and "UNEXPECTED" not in line, line
 
@@ -865,6 +925,31 @@ def test_gpu_vocabulary_parts_bits_independent_of_batch(dtype):
                                   draws[r:r + 1], config=cfg)
         for name in STATS:
             assert torch.equal(getattr(alone, name), getattr(batch, name)[rows]), (name, r)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_part_group_changes_no_bit(dtype):
+    """At the real row length, with the descriptor walk: programs of 1, 2, 3 and 8 parts of 8
+    sampling blocks give the same bits, with a softcap (12: the peaked heads and the bulk's
+    largest entries pass it, so groups take both of its paths) and with top-k / top-p, the
+    sample keys of the tensor-parallel merge included; the default choice for the batch
+    matches them."""
+    data = _gpu_rows(4, 256, 262144, dtype, 45)
+    top_k = torch.tensor([0, 20, 2000, 0], device="cuda")
+    top_p = torch.tensor([0.9, 1.0, 0.5, 1.0], device="cuda")
+    key = torch.empty(data[0].shape[0], device="cuda")
+    for kw in (dict(softcap=12.0), dict(top_k=top_k, top_p=top_p)):
+        outs = []
+        for each in (1, 2, 3, 8, None):
+            stats = rs.row_stats_rows(*data, config=dict(part_blocks=8, part_group=each),
+                                      sample_key=key, **kw)
+            outs.append((stats, key.clone()))
+        (base, base_key), *others = outs
+        for stats, other_key in others:
+            for name in STATS:
+                assert torch.equal(getattr(stats, name), getattr(base, name)), name
+            assert torch.equal(other_key, base_key)
 
 
 @pytest.mark.gpu

@@ -103,7 +103,8 @@ def recording_compiles() -> list:
 
 def compile_row_stats(args, ptxas: str) -> bool:
     """Compile ``row_stats_rows``'s kernel as an H200 would run it (the descriptor walk forced
-    on: its test needs a CUDA tensor) for each dtype, unsplit and split; report registers and
+    on: its test needs a CUDA tensor) for each dtype, unsplit and split (one and four parts per
+    program; with a softcap, the hidden-state path, one and two); report registers and
     spills, and check the split kernel's atomic. Returns whether all is well."""
     import torch
 
@@ -115,13 +116,16 @@ def compile_row_stats(args, ptxas: str) -> bool:
     ok = True
     n, v = 256, 262144
     for dtype in (getattr(torch, name) for name in args.dtypes.split(",")):
-        for blocks in (None, 4):
+        for blocks, each, softcap in ((None, None, None), (4, 1, None), (4, 4, None),
+                                      (8, 1, 30.0), (8, 2, 30.0)):
             rows = torch.zeros(n, dtype=torch.int32)
             ones, zeros = torch.ones(1), torch.zeros(1, dtype=torch.int64)
             rs.row_stats_rows(torch.empty(n, v, dtype=dtype), rows, rows, ones, zeros, zeros,
-                              config=dict(part_blocks=blocks))
+                              softcap=softcap, config=dict(part_blocks=blocks, part_group=each))
             kernel = compiled[-1]
-            name = f"{str(dtype).replace('torch.', '')}_{'split' if blocks else 'whole'}"
+            name = (f"{str(dtype).replace('torch.', '')}_"
+                    + (f"split_{each}_per_program" if blocks else "whole")
+                    + ("_softcap" if softcap else ""))
             with tempfile.TemporaryDirectory() as tmp:
                 report, lines = assemble(ptxas, kernel.asm["ptx"], os.path.join(tmp, "k.cubin"))
             n_atomics, predicates, acq_rel = atomic_predicates(kernel.asm["ptx"])
