@@ -226,6 +226,17 @@ def _rows(n_rows, n_req, gen):
     return row_request, row_position
 
 
+def _mixed_rows(n_rows, vocab, gen):
+    """Logits of sd 3 whose rows 1-4 hold a NaN, a +inf, a leading run of -inf (1000
+    entries) and a new maximum in every block (n_rows >= 5, vocab > 1500)."""
+    logits = torch.randn(n_rows, vocab, generator=gen) * 3
+    logits[1, 700] = float("nan")
+    logits[2, 1500] = float("inf")
+    logits[3, :1000] = float("-inf")
+    logits[4] = torch.linspace(-4, 4, vocab)
+    return logits
+
+
 # ----------------------------------------------------------------------------------- CPU
 
 
@@ -421,11 +432,7 @@ def test_walk_shape_changes_no_bit(interpret, dtype):
     unaligned vocabulary slice, NaN / +inf, a greedy row and several sampling blocks."""
     gen = torch.Generator().manual_seed(27)
     n_rows, vocab, n_req = 5, 1999, 3
-    logits = torch.randn(n_rows, vocab, generator=gen) * 3
-    logits[1, 700] = float("nan")
-    logits[2, 1500] = float("inf")
-    logits[3, :1000] = float("-inf")
-    logits[4] = torch.linspace(-4, 4, vocab)  # a new maximum in every block
+    logits = _mixed_rows(n_rows, vocab, gen)
     temperature, seeds, draws = _requests(n_req, gen, temps=(0.0, 0.7, 1.3))
     row_request, row_position = _rows(n_rows, n_req, gen)
     # (16-bit logits on the GPU: groups take their max on the raw values, see RAW_MAX)
@@ -614,11 +621,7 @@ def test_part_group_changes_no_bit(interpret, dtype):
     an unaligned slice, an allowed set and a softcap, and the same sample keys."""
     gen = torch.Generator().manual_seed(34)
     n_rows, vocab, n_req = 6, 1999, 3
-    logits = torch.randn(n_rows, vocab, generator=gen) * 3
-    logits[1, 700] = float("nan")
-    logits[2, 1500] = float("inf")
-    logits[3, :1000] = float("-inf")
-    logits[4] = torch.linspace(-4, 4, vocab)
+    logits = _mixed_rows(n_rows, vocab, gen)
     temperature, seeds, draws = _requests(n_req, gen, temps=(0.0, 0.7, 1.3))
     row_request, row_position = _rows(n_rows, n_req, gen)
     allowed = torch.rand(n_req, vocab, generator=gen) < 0.7
