@@ -262,7 +262,7 @@ def project(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None
     assert not use_tma or _tma_ok(hidden, weight, out), "TMA needs 16-byte aligned rows"
     cfg = config or (INTERPRETER_CONFIG if interpret else config_for(m, use_tma))
     n_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(v, cfg.block_n)
-    programs = min(n_tiles, 4 if interpret else contract.sm_count(hidden.device))
+    programs = min(n_tiles, contract.sm_count(hidden.device))  # the interpreter's CPU tensors: 4
     descs = (None, None, None)
     if use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
